@@ -1,0 +1,254 @@
+"""Run configuration: one YAML file, validated by pydantic, overridable by env.
+
+Backends are chosen by a ``type`` field (discriminated unions); unknown keys
+are rejected everywhere, so a typo fails at start with the field named
+instead of silently taking a default.
+
+Environment overrides use the prefix ``CONVEYOR_`` and ``__`` between nested
+fields, and win over the file::
+
+    CONVEYOR_TRANSPORT__BOOTSTRAP_SERVERS=broker:9092 conveyor run run.yaml
+
+Usage::
+
+    cfg = load_run_config("examples/demo.yaml")   # raises ConfigError
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from conveyor.errors import ConfigError
+from conveyor.topics import validate_run_id
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------
+# transport
+
+
+class MemoryTransportConfig(_Section):
+    """In-process topics (embedded mode, tests). Same semantics as Kafka."""
+
+    type: Literal["memory"] = "memory"
+    partitions: int = Field(4, ge=1, le=1024)
+    """Partitions per topic."""
+
+
+class KafkaTransportConfig(_Section):
+    """Kafka (or any Kafka-protocol broker) through aiokafka."""
+
+    type: Literal["kafka"] = "kafka"
+    bootstrap_servers: str = "127.0.0.1:19092"
+    """Comma-separated host:port list."""
+    partitions: int = Field(4, ge=1, le=1024)
+    """Partitions per topic when Conveyor creates the topic."""
+    replication_factor: int = Field(1, ge=1, le=7)
+    """Replicas per partition when Conveyor creates the topic."""
+    client_id: str = "conveyor"
+    max_in_flight_sends: int = Field(1024, ge=1)
+    """Bound on unacknowledged sends: beyond it `send` waits (backpressure)."""
+    max_batch_bytes: int = Field(1 << 20, ge=16 << 10)
+    """Producer batch size per partition."""
+    linger_ms: int = Field(5, ge=0, le=10_000)
+    """How long the producer waits to fill a batch."""
+    max_request_bytes: int = Field(8 << 20, ge=1 << 20)
+    """Largest request (and so message) the producer sends."""
+    request_timeout_ms: int = Field(30_000, ge=1000)
+    connect_deadline_s: float = Field(60.0, gt=0)
+    """How long start-up and sends retry (with backoff) while the broker is unavailable."""
+    session_timeout_ms: int = Field(10_000, ge=1000)
+    """A consumer silent this long is removed from its group and its partitions reassigned."""
+    heartbeat_interval_ms: int = Field(1_000, ge=100)
+    max_poll_interval_ms: int = Field(300_000, ge=1000)
+
+    @model_validator(mode="after")
+    def _heartbeat_below_session(self) -> "KafkaTransportConfig":
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError("transport.heartbeat_interval_ms must be at most a third of session_timeout_ms")
+        return self
+
+
+TransportConfig = Annotated[MemoryTransportConfig | KafkaTransportConfig, Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------
+# object store
+
+
+class LocalStoreConfig(_Section):
+    """A local directory as object store (embedded mode)."""
+
+    type: Literal["local"] = "local"
+    root: Path = Path("runs/objects")
+    """Directory holding the objects; created if missing."""
+
+
+class S3StoreConfig(_Section):
+    """Any S3-compatible endpoint through boto3."""
+
+    type: Literal["s3"] = "s3"
+    bucket: str = Field("conveyor", min_length=3, max_length=63)
+    endpoint_url: str | None = None
+    """None: AWS; otherwise e.g. http://127.0.0.1:18333 for the local stack."""
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    """None: boto3's usual credential chain."""
+    secret_access_key: SecretStr | None = None
+    prefix: str = ""
+    """Key prefix inside the bucket."""
+    max_attempts: int = Field(8, ge=1, le=50)
+    """boto3 retries (standard mode) per request."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(60.0, gt=0)
+    multipart_threshold_bytes: int = Field(8 << 20, ge=5 << 20)
+    """Objects at least this large are uploaded in parts."""
+    multipart_chunk_bytes: int = Field(8 << 20, ge=5 << 20)
+    create_bucket: bool = True
+    """Create the bucket at start if it does not exist."""
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix_shape(cls, v: str) -> str:
+        if v.startswith("/"):
+            raise ValueError("must not start with '/'")
+        return v
+
+
+ObjectStoreConfig = Annotated[LocalStoreConfig | S3StoreConfig, Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------
+# celery broker for reward executors
+
+
+class RedisBrokerConfig(_Section):
+    type: Literal["redis"] = "redis"
+    url: str = "redis://127.0.0.1:6379/0"
+    visibility_timeout_s: int = Field(3600, ge=60)
+    """Redis redelivers a task unacknowledged for this long: keep task time limits below it."""
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis:// or rediss:// URL")
+        return v
+
+
+class RabbitMQBrokerConfig(_Section):
+    type: Literal["rabbitmq"] = "rabbitmq"
+    url: str = "amqp://guest:guest@127.0.0.1:5672//"
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("amqp://", "amqps://", "pyamqp://")):
+            raise ValueError("must be an amqp:// URL")
+        return v
+
+
+class LocalExecutorConfig(_Section):
+    """No broker: a local process pool runs reward tasks (embedded mode)."""
+
+    type: Literal["local"] = "local"
+    processes: int = Field(2, ge=1, le=256)
+
+
+CeleryBrokerConfig = Annotated[
+    RedisBrokerConfig | RabbitMQBrokerConfig | LocalExecutorConfig, Field(discriminator="type")
+]
+
+
+# --------------------------------------------------------------------------
+# cross-cutting
+
+
+class ClaimCheckConfig(_Section):
+    threshold_bytes: int = Field(512 << 10, ge=1024)
+    """Encoded messages larger than this go to the object store; the topic carries a reference."""
+    key_prefix: str = "claims"
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "console", "auto"] = "auto"
+    """auto: console on a terminal, JSON lines otherwise."""
+
+
+class MetricsConfig(_Section):
+    port: int | None = Field(None, ge=1, le=65535)
+    """Serve Prometheus metrics on this port; None: do not serve."""
+
+
+class RunConfig(BaseSettings):
+    """A whole run: which backends, and how each service is tuned."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    run_id: str = "default"
+    """Namespace of the run's topics and objects."""
+    transport: TransportConfig = Field(default_factory=MemoryTransportConfig)
+    object_store: ObjectStoreConfig = Field(default_factory=LocalStoreConfig)
+    celery: CeleryBrokerConfig = Field(default_factory=LocalExecutorConfig)
+    claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        return validate_run_id(v)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first: an operator's override beats the file.
+        return (env_settings, init_settings)
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union")))
+        lines.append(f"  {loc or '<root>'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_run_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return RunConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Load and validate a run config; every failure is a :class:`ConfigError`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML in {path}: {exc}") from None
+    return parse_run_config(data, str(path))

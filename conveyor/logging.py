@@ -1,0 +1,42 @@
+"""The one structlog setup, called from entry points only (never at import).
+
+Services log JSON lines; the CLI logs to a pretty console. Context bound with
+``structlog.contextvars.bind_contextvars(run_id=..., task_id=...)`` appears
+on every line logged in that task.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+
+def configure_logging(
+    service: str,
+    fmt: Literal["json", "console", "auto"] = "auto",
+    level: str = "info",
+    **context: str,
+) -> None:
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    lvl = logging.getLevelName(level.upper())
+    logging.basicConfig(format="%(message)s", stream=sys.stderr, level=lvl, force=True)
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(service=service, **context)

@@ -1,0 +1,221 @@
+"""Typed publish/subscribe over a transport: codec, claim check, dead letters.
+
+Services never touch bytes. A :class:`Publisher` encodes a contract struct
+(and moves it to the object store when it is larger than the claim-check
+threshold); a :class:`Subscriber` decodes, resolves claim checks, and sends
+anything it cannot decode to the dead-letter topic *before* its position can
+be committed, so a poison record is neither lost nor blocks the partition.
+
+Usage::
+
+    pub = Publisher(producer, topics.rollouts, claim_check=cc)
+    await pub.publish(rollout, key=rollout.task_id)
+
+    sub = Subscriber(transport, [topics.rollouts], "reward-bridge", Rollout,
+                     dead_letters=DeadLetterSink(producer, topics.dead_letter, "reward-bridge"),
+                     claim_check=cc)
+    await sub.start()
+    for d in await sub.poll():
+        await handle(d.message)
+    await sub.commit()          # after the work is durable
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import structlog
+
+from conveyor.contracts import (
+    ClaimRef,
+    DeadLetter,
+    DecodeError,
+    Message,
+    dead_letter_id,
+    decode,
+    decode_or_claim,
+    encode,
+)
+from conveyor.errors import ChecksumMismatch
+from conveyor.transport.base import Consumer, Producer, Record, SendResult, TopicPartition, Transport, next_offsets
+
+if TYPE_CHECKING:
+    from conveyor.metrics import TransportMetrics
+    from storage.objectstore import ObjectStore
+
+log = structlog.get_logger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+class ClaimCheck:
+    """Moves encoded messages above ``threshold_bytes`` to the object store.
+
+    Objects are content-addressed (``<prefix>/<sha256>``) and written with
+    put-if-absent, so a re-published message reuses its object.
+    """
+
+    def __init__(self, store: "ObjectStore", threshold_bytes: int, prefix: str = "claims") -> None:
+        self.store = store
+        self.threshold_bytes = threshold_bytes
+        self.prefix = prefix.strip("/")
+
+    async def wrap(self, raw: bytes, message_type: str) -> bytes:
+        if len(raw) <= self.threshold_bytes:
+            return raw
+        sha = hashlib.sha256(raw).hexdigest()
+        key = f"{self.prefix}/{sha[:2]}/{sha}"
+        await asyncio.to_thread(self.store.put_if_absent, key, raw)
+        ref = ClaimRef(key=key, uri=self.store.uri(key), sha256=sha, size=len(raw), message_type=message_type)
+        return encode(ref)
+
+    async def resolve(self, ref: ClaimRef) -> bytes:
+        data = await asyncio.to_thread(self.store.get, ref.key, sha256=ref.sha256)
+        if len(data) != ref.size:
+            raise ChecksumMismatch(f"claim {ref.key}: {len(data)} bytes, expected {ref.size}")
+        return data
+
+
+class Publisher(Generic[M]):
+    def __init__(
+        self,
+        producer: Producer,
+        topic: str,
+        *,
+        claim_check: ClaimCheck | None = None,
+        metrics: "TransportMetrics | None" = None,
+    ) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.claim_check = claim_check
+        self.metrics = metrics
+
+    async def publish(self, msg: M, key: str | None) -> Awaitable[SendResult]:
+        """Enqueue ``msg``; await the result to know the broker has it."""
+        raw = encode(msg)
+        if self.claim_check is not None and len(raw) > self.claim_check.threshold_bytes:
+            raw = await self.claim_check.wrap(raw, type(msg).__struct_config__.tag)  # type: ignore[attr-defined]
+            if self.metrics:
+                self.metrics.claim_checked.labels(self.topic).inc()
+        fut = await self.producer.send(self.topic, raw, key.encode() if key is not None else None)
+        if self.metrics:
+            self.metrics.published.labels(self.topic).inc()
+        return fut
+
+    async def publish_and_wait(self, msg: M, key: str | None) -> SendResult:
+        return await (await self.publish(msg, key))
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[M]):
+    message: M
+    record: Record
+
+
+class DeadLetterSink:
+    """Publishes undecodable records to the dead-letter topic and waits for the ack."""
+
+    def __init__(self, producer: Producer, topic: str, service: str) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.service = service
+
+    async def send(self, record: Record, error: str) -> None:
+        letter = DeadLetter(
+            dead_letter_id=dead_letter_id(record.topic, record.partition, record.offset),
+            source_topic=record.topic,
+            source_partition=record.partition,
+            source_offset=record.offset,
+            key=record.key,
+            raw=record.value,
+            error=error[:4000],
+            service=self.service,
+        )
+        await self.producer.send_and_wait(self.topic, encode(letter), record.key)
+
+
+class Subscriber(Generic[M]):
+    def __init__(
+        self,
+        transport: Transport,
+        topics: Sequence[str],
+        group_id: str,
+        message_type: type[M],
+        *,
+        dead_letters: DeadLetterSink,
+        claim_check: ClaimCheck | None = None,
+        from_beginning: bool = True,
+        metrics: "TransportMetrics | None" = None,
+        on_assigned=None,
+        on_revoked=None,
+    ) -> None:
+        self.message_type = message_type
+        self.dead_letters = dead_letters
+        self.claim_check = claim_check
+        self.metrics = metrics
+        self.consumer: Consumer = transport.consumer(
+            topics, group_id, from_beginning=from_beginning, on_assigned=on_assigned, on_revoked=on_revoked
+        )
+        self.dead_lettered = 0
+
+    async def start(self) -> None:
+        await self.consumer.start()
+
+    async def _decode(self, record: Record) -> M:
+        value = decode_or_claim(record.value, self.message_type)
+        if isinstance(value, ClaimRef):
+            if self.claim_check is None:
+                raise DecodeError(f"claim check {value.key} but this subscriber has no object store")
+            value = decode(await self.claim_check.resolve(value), self.message_type)
+        return value
+
+    async def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Delivery[M]]:
+        """Decoded messages; undecodable records are dead-lettered and skipped."""
+        out: list[Delivery[M]] = []
+        for record in await self.consumer.getmany(timeout_s, max_records):
+            try:
+                msg = await self._decode(record)
+            except (DecodeError, ChecksumMismatch, KeyError) as exc:
+                # KeyError: the claim-check object is gone (ObjectNotFound).
+                reason = type(exc).__name__
+                log.warning(
+                    "message.dead_lettered",
+                    topic=record.topic,
+                    partition=record.partition,
+                    offset=record.offset,
+                    error=str(exc)[:500],
+                )
+                await self.dead_letters.send(record, f"{reason}: {exc}")
+                self.dead_lettered += 1
+                if self.metrics:
+                    self.metrics.dead_lettered.labels(record.topic, reason).inc()
+                continue
+            if self.metrics:
+                self.metrics.consumed.labels(record.topic).inc()
+            out.append(Delivery(msg, record))
+        return out
+
+    async def commit(self, deliveries: Sequence[Delivery[M]] | None = None) -> None:
+        """Commit ``deliveries`` (positional per partition), or everything polled so far."""
+        if deliveries is None:
+            await self.consumer.commit()
+        else:
+            await self.consumer.commit(next_offsets([d.record for d in deliveries]))
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.consumer.seek(tp, offset)
+
+    def assignment(self) -> set[TopicPartition]:
+        return self.consumer.assignment()
+
+    async def close(self) -> None:
+        await self.consumer.close()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

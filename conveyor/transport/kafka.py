@@ -1,0 +1,329 @@
+"""Kafka transport on aiokafka.
+
+- Topics are created through the admin client with the configured partition
+  count; an existing topic is left alone.
+- Producers use ``acks=all`` and no idempotence/transactions (the local
+  broker does not support them; idempotency keys carry exactly-once effect).
+  At most ``max_in_flight_sends`` records are unacknowledged at once: beyond
+  that ``send`` waits, so a fast producer slows to the broker's pace instead
+  of buffering without bound.
+- While the broker is unreachable, start-up and sends retry with exponential
+  backoff until ``connect_deadline_s``, then raise ``TransportUnavailable``.
+  A retried send may duplicate a record; consumers are idempotent on ids.
+- Consumers never auto-commit: offsets are committed by the caller after the
+  work they cover is durable. A rebalance listener forwards assignment
+  changes to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from conveyor.errors import TransportUnavailable
+from conveyor.transport.base import Record, RebalanceCallback, SendResult, TopicPartition, TopicSpec
+
+if TYPE_CHECKING:
+    from conveyor.config import KafkaTransportConfig
+
+log = structlog.get_logger(__name__)
+
+_TOPIC_ALREADY_EXISTS = 36
+
+
+async def _retry(what: str, fn, deadline_s: float, *, first_delay: float = 0.1, max_delay: float = 5.0):
+    """Call ``fn`` until it succeeds, backing off on retriable Kafka errors."""
+    from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    delay = first_delay
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await fn()
+        except (KafkaConnectionError, KafkaTimeoutError, OSError, KafkaError) as exc:
+            retriable = isinstance(exc, (KafkaConnectionError, KafkaTimeoutError, OSError)) or getattr(exc, "retriable", False)
+            if not retriable:
+                raise
+            if loop.time() + delay > deadline:
+                raise TransportUnavailable(f"{what}: broker unavailable after {attempt} attempts: {exc}") from exc
+            log.warning("kafka.retry", what=what, attempt=attempt, delay_s=round(delay, 3), error=str(exc))
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, max_delay)
+
+
+class KafkaProducer:
+    def __init__(self, cfg: "KafkaTransportConfig") -> None:
+        self.cfg = cfg
+        self._producer: Any = None
+        self._slots = asyncio.Semaphore(cfg.max_in_flight_sends)
+
+    def _make(self):
+        from aiokafka import AIOKafkaProducer
+
+        return AIOKafkaProducer(
+            bootstrap_servers=self.cfg.bootstrap_servers,
+            client_id=self.cfg.client_id,
+            acks="all",
+            enable_idempotence=False,
+            max_batch_size=self.cfg.max_batch_bytes,
+            linger_ms=self.cfg.linger_ms,
+            max_request_size=self.cfg.max_request_bytes,
+            request_timeout_ms=self.cfg.request_timeout_ms,
+        )
+
+    async def start(self) -> None:
+        async def attempt():
+            producer = self._make()
+            try:
+                await producer.start()
+            except BaseException:
+                await producer.stop()
+                raise
+            return producer
+
+        self._producer = await _retry("producer.start", attempt, self.cfg.connect_deadline_s)
+
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> Awaitable[SendResult]:
+        await self._slots.acquire()
+        try:
+            inner = await _retry(
+                "producer.send",
+                lambda: self._producer.send(topic, value=value, key=key, headers=list(headers) or None),
+                self.cfg.connect_deadline_s,
+            )
+        except BaseException:
+            self._slots.release()
+            raise
+        return asyncio.ensure_future(self._settle(inner, topic, value, key, headers))
+
+    async def _settle(self, inner: asyncio.Future, topic: str, value: bytes, key: bytes | None, headers) -> SendResult:
+        from aiokafka.errors import KafkaError
+
+        try:
+            try:
+                md = await inner
+            except KafkaError as exc:
+                if not getattr(exc, "retriable", False) and not isinstance(exc, asyncio.TimeoutError):
+                    raise
+                log.warning("kafka.resend", topic=topic, error=str(exc))
+                md = await _retry(
+                    "producer.resend",
+                    lambda: self._producer.send_and_wait(topic, value=value, key=key, headers=list(headers) or None),
+                    self.cfg.connect_deadline_s,
+                )
+            return SendResult(md.topic, md.partition, md.offset)
+        finally:
+            self._slots.release()
+
+    async def send_and_wait(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> SendResult:
+        return await (await self.send(topic, value, key, headers))
+
+    async def flush(self) -> None:
+        await self._producer.flush()
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+
+class _Listener:
+    def __init__(self, consumer: "KafkaConsumer") -> None:
+        self._consumer = consumer
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        tps = {TopicPartition(tp.topic, tp.partition) for tp in revoked}
+        for tp in tps:
+            self._consumer._fetched.pop(tp, None)
+        if tps and self._consumer._on_revoked:
+            await self._consumer._on_revoked(tps)
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        tps = {TopicPartition(tp.topic, tp.partition) for tp in assigned}
+        if tps and self._consumer._on_assigned:
+            await self._consumer._on_assigned(tps)
+
+
+class KafkaConsumer:
+    def __init__(
+        self,
+        cfg: "KafkaTransportConfig",
+        topics: Sequence[str],
+        group_id: str,
+        from_beginning: bool,
+        on_assigned: RebalanceCallback | None,
+        on_revoked: RebalanceCallback | None,
+    ) -> None:
+        self.cfg = cfg
+        self.topics = list(topics)
+        self.group_id = group_id
+        self._from_beginning = from_beginning
+        self._on_assigned = on_assigned
+        self._on_revoked = on_revoked
+        self._consumer: Any = None
+        self._fetched: dict[TopicPartition, int] = {}
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+
+        listener_impl = _Listener(self)
+
+        class Listener(ConsumerRebalanceListener):
+            async def on_partitions_revoked(self, revoked):
+                await listener_impl.on_partitions_revoked(revoked)
+
+            async def on_partitions_assigned(self, assigned):
+                await listener_impl.on_partitions_assigned(assigned)
+
+        async def attempt():
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.cfg.bootstrap_servers,
+                client_id=self.cfg.client_id,
+                group_id=self.group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest" if self._from_beginning else "latest",
+                session_timeout_ms=self.cfg.session_timeout_ms,
+                heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
+                max_poll_interval_ms=self.cfg.max_poll_interval_ms,
+                request_timeout_ms=max(self.cfg.request_timeout_ms, self.cfg.session_timeout_ms + 5000),
+                fetch_max_bytes=max(self.cfg.max_request_bytes, 52428800),
+                max_partition_fetch_bytes=self.cfg.max_request_bytes,
+            )
+            consumer.subscribe(self.topics, listener=Listener())
+            try:
+                await consumer.start()
+            except BaseException:
+                await consumer.stop()
+                raise
+            return consumer
+
+        self._consumer = await _retry("consumer.start", attempt, self.cfg.connect_deadline_s)
+
+    async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
+        batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out: list[Record] = []
+        for tp, records in sorted(batches.items(), key=lambda kv: (kv[0].topic, kv[0].partition)):
+            for r in records:
+                out.append(
+                    Record(
+                        r.topic,
+                        r.partition,
+                        r.offset,
+                        r.key,
+                        r.value if r.value is not None else b"",
+                        r.timestamp,
+                        tuple(r.headers or ()),
+                    )
+                )
+            if records:
+                self._fetched[TopicPartition(tp.topic, tp.partition)] = records[-1].offset + 1
+        return out
+
+    async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+        from aiokafka import TopicPartition as KTP
+
+        if offsets is None:
+            offsets = dict(self._fetched)
+        if not offsets:
+            return
+        await self._consumer.commit({KTP(tp.topic, tp.partition): off for tp, off in offsets.items()})
+
+    async def committed(self, tp: TopicPartition) -> int | None:
+        from aiokafka import TopicPartition as KTP
+
+        return await self._consumer.committed(KTP(tp.topic, tp.partition))
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        from aiokafka import TopicPartition as KTP
+
+        self._consumer.seek(KTP(tp.topic, tp.partition), offset)
+        self._fetched.pop(tp, None)
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+
+class KafkaTransport:
+    def __init__(self, cfg: "KafkaTransportConfig") -> None:
+        self.cfg = cfg
+
+    async def _admin(self):
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        async def attempt():
+            admin = AIOKafkaAdminClient(
+                bootstrap_servers=self.cfg.bootstrap_servers,
+                client_id=f"{self.cfg.client_id}-admin",
+                request_timeout_ms=self.cfg.request_timeout_ms,
+            )
+            try:
+                await admin.start()
+            except BaseException:
+                await admin.close()
+                raise
+            return admin
+
+        return await _retry("admin.start", attempt, self.cfg.connect_deadline_s)
+
+    async def create_topics(self, specs: Sequence[TopicSpec]) -> None:
+        from aiokafka.admin import NewTopic
+
+        if not specs:
+            return
+        admin = await self._admin()
+        try:
+            new = [
+                NewTopic(
+                    s.name,
+                    s.partitions,
+                    self.cfg.replication_factor,
+                    topic_configs={"cleanup.policy": "compact"} if s.compacted else {},
+                )
+                for s in specs
+            ]
+            resp = await admin.create_topics(new)
+            for topic, code, message in resp.topic_errors:
+                if code not in (0, _TOPIC_ALREADY_EXISTS):
+                    raise RuntimeError(f"cannot create topic {topic}: error {code}: {message}")
+        finally:
+            await admin.close()
+
+    async def list_topics(self) -> list[str]:
+        admin = await self._admin()
+        try:
+            return sorted(t for t in await admin.list_topics() if not t.startswith("__"))
+        finally:
+            await admin.close()
+
+    def producer(self) -> KafkaProducer:
+        return KafkaProducer(self.cfg)
+
+    def consumer(
+        self,
+        topics: Sequence[str],
+        group_id: str,
+        *,
+        from_beginning: bool = True,
+        on_assigned: RebalanceCallback | None = None,
+        on_revoked: RebalanceCallback | None = None,
+    ) -> KafkaConsumer:
+        return KafkaConsumer(self.cfg, topics, group_id, from_beginning, on_assigned, on_revoked)
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""producers service (see docs/ARCHITECTURE.md). Not built yet: its issue is open."""

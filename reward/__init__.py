@@ -1,0 +1,1 @@
+"""reward service (see docs/ARCHITECTURE.md). Not built yet: its issue is open."""

@@ -1,0 +1,1 @@
+"""rollout_workers service (see docs/ARCHITECTURE.md). Not built yet: its issue is open."""
