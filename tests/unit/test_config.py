@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conveyor.config import load_run_config, parse_run_config
+from conveyor.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(p for d in ("examples", "deploy") for p in (ROOT / d).rglob("*.yaml") if "run_id" in p.read_text())
+
+
+def test_there_are_shipped_configs():
+    assert len(SHIPPED) >= 3
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_config_parses(path):
+    cfg = load_run_config(path)
+    assert cfg.run_id
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"transprt": {}}, "transprt"),
+        ({"transport": {"type": "kafka", "partitons": 3}}, "transport.kafka.partitons"),
+        ({"transport": {"type": "zmq"}}, "transport"),
+        ({"object_store": {"type": "s3", "max_attempts": 0}}, "object_store.s3.max_attempts"),
+        ({"celery": {"type": "redis", "url": "amqp://x"}}, "celery.redis.url"),
+        ({"run_id": "has space"}, "run_id"),
+        ({"transport": {"type": "kafka", "heartbeat_interval_ms": 5000}}, "transport.kafka"),
+    ],
+)
+def test_invalid_config_names_the_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(data, "test.yaml")
+    assert f"  {field}" in str(err.value)
+    assert "test.yaml" in str(err.value)
+
+
+def test_environment_overrides_the_file(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_TRANSPORT__BOOTSTRAP_SERVERS", "broker:9092")
+    monkeypatch.setenv("CONVEYOR_RUN_ID", "from-env")
+    cfg = parse_run_config({"run_id": "from-file", "transport": {"type": "kafka", "partitions": 3}})
+    assert cfg.run_id == "from-env"
+    assert cfg.transport.bootstrap_servers == "broker:9092"
+    assert cfg.transport.partitions == 3
+
+
+def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_id: [unclosed")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_run_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_run_config(tmp_path / "missing.yaml")
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_run_config(listy)
+
+
+def test_secrets_are_not_printed():
+    cfg = parse_run_config({"object_store": {"type": "s3", "secret_access_key": "hunter2"}})
+    assert "hunter2" not in repr(cfg)
