@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 SCHEMA_VERSION = 1
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 class DecodeError(ValueError):
@@ -46,18 +47,23 @@ class _PackedArray(array.array):
     """An ``array.array`` with a fixed typecode, packed little-endian on the wire."""
 
     TYPECODE = "b"
+    ITEMSIZE = 1
 
     def __new__(cls, values: Any = ()):  # noqa: D102 - array.array signature
         if isinstance(values, (bytes, bytearray, memoryview)):
-            arr = super().__new__(cls, cls.TYPECODE)
-            arr.frombytes(bytes(values))
-            if sys.byteorder == "big":
-                arr.byteswap()
-            return arr
-        return super().__new__(cls, cls.TYPECODE, values)
+            return cls.from_wire(values)
+        return array.array.__new__(cls, cls.TYPECODE, values)
+
+    @classmethod
+    def from_wire(cls, data: bytes | bytearray | memoryview) -> "_PackedArray":
+        arr = array.array.__new__(cls, cls.TYPECODE)
+        arr.frombytes(data)
+        if _BIG_ENDIAN:
+            arr.byteswap()
+        return arr
 
     def to_wire(self) -> bytes:
-        if sys.byteorder == "big":
+        if _BIG_ENDIAN:
             swapped = array.array(self.TYPECODE, self)
             swapped.byteswap()
             return swapped.tobytes()
@@ -80,12 +86,14 @@ class Int32Array(_PackedArray):
     """Token ids (int32)."""
 
     TYPECODE = "i"
+    ITEMSIZE = 4
 
 
 class Float32Array(_PackedArray):
     """Per-token logprobs (float32)."""
 
     TYPECODE = "f"
+    ITEMSIZE = 4
 
 
 class UInt8Array(_PackedArray):
@@ -105,12 +113,11 @@ def _enc_hook(obj: Any) -> Any:
 
 def _dec_hook(typ: type, obj: Any) -> Any:
     if typ in _PACKED:
-        if not isinstance(obj, (bytes, bytearray, memoryview)):
+        if type(obj) is not bytes:
             raise ValueError(f"expected packed bytes for {typ.__name__}")
-        width = array.array(typ.TYPECODE).itemsize
-        if len(obj) % width:
-            raise ValueError(f"{typ.__name__} payload of {len(obj)} bytes is not a multiple of {width}")
-        return typ(obj)
+        if len(obj) % typ.ITEMSIZE:
+            raise ValueError(f"{typ.__name__} payload of {len(obj)} bytes is not a multiple of {typ.ITEMSIZE}")
+        return typ.from_wire(obj)
     raise NotImplementedError(f"cannot decode {typ}")
 
 

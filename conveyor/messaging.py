@@ -166,20 +166,19 @@ class Subscriber(Generic[M]):
     async def start(self) -> None:
         await self.consumer.start()
 
-    async def _decode(self, record: Record) -> M:
-        value = decode_or_claim(record.value, self.message_type)
-        if isinstance(value, ClaimRef):
-            if self.claim_check is None:
-                raise DecodeError(f"claim check {value.key} but this subscriber has no object store")
-            value = decode(await self.claim_check.resolve(value), self.message_type)
-        return value
+    async def _resolve(self, value: ClaimRef) -> M:
+        if self.claim_check is None:
+            raise DecodeError(f"claim check {value.key} but this subscriber has no object store")
+        return decode(await self.claim_check.resolve(value), self.message_type)
 
     async def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Delivery[M]]:
         """Decoded messages; undecodable records are dead-lettered and skipped."""
         out: list[Delivery[M]] = []
         for record in await self.consumer.getmany(timeout_s, max_records):
             try:
-                msg = await self._decode(record)
+                msg = decode_or_claim(record.value, self.message_type)
+                if type(msg) is ClaimRef:
+                    msg = await self._resolve(msg)
             except (DecodeError, ChecksumMismatch, KeyError) as exc:
                 # KeyError: the claim-check object is gone (ObjectNotFound).
                 reason = type(exc).__name__

@@ -8,10 +8,11 @@ test is skipped and says why.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from conveyor.stack.manager import free_port_block  # noqa: F401 - re-exported for tests
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))
@@ -29,25 +30,6 @@ def service_unavailable(reason: str):
     if IN_CI:
         pytest.fail(f"required service unavailable in CI: {reason}", pytrace=False)
     pytest.skip(f"service unavailable (would fail in CI): {reason}")
-
-
-def free_port_block(n: int = 10, start: int = 30000, stop: int = 60000) -> int:
-    """The first port of ``n`` consecutive free loopback ports."""
-    import random
-
-    for _ in range(200):
-        base = random.randrange(start, stop - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
 
 
 @pytest.fixture(scope="session")

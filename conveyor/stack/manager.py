@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -68,6 +69,7 @@ __all__ = [
     "StackError",
     "StackPorts",
     "default_state_dir",
+    "free_port_block",
 ]
 
 
@@ -83,6 +85,23 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
+
+
+def free_port_block(n: int = 10, start: int = 30000, stop: int = 60000) -> int:
+    """The first port of ``n`` consecutive free loopback ports."""
+    for _ in range(200):
+        base = random.randrange(start, stop - n)
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
 
 
 def pid_alive(pid: int) -> bool:

@@ -94,33 +94,60 @@ class KafkaProducer:
         self, topic: str, value: bytes, key: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()
     ) -> Awaitable[SendResult]:
         await self._slots.acquire()
+        hdrs = list(headers) or None
         try:
-            inner = await _retry(
-                "producer.send",
-                lambda: self._producer.send(topic, value=value, key=key, headers=list(headers) or None),
-                self.cfg.connect_deadline_s,
-            )
+            try:
+                inner = await self._producer.send(topic, value=value, key=key, headers=hdrs)
+            except Exception as exc:  # noqa: BLE001 - the slow path decides what is retriable
+                log.warning("kafka.send_retry", topic=topic, error=str(exc))
+                inner = await _retry(
+                    "producer.send",
+                    lambda: self._producer.send(topic, value=value, key=key, headers=hdrs),
+                    self.cfg.connect_deadline_s,
+                )
         except BaseException:
             self._slots.release()
             raise
-        return asyncio.ensure_future(self._settle(inner, topic, value, key, headers))
+        # A plain future resolved from aiokafka's callback: no task per record
+        # on the fast path; a failed delivery is retried in a task.
+        outer: asyncio.Future[SendResult] = asyncio.get_running_loop().create_future()
 
-    async def _settle(self, inner: asyncio.Future, topic: str, value: bytes, key: bytes | None, headers) -> SendResult:
+        def delivered(fut: asyncio.Future) -> None:
+            if fut.cancelled():
+                self._slots.release()
+                outer.cancel()
+                return
+            exc = fut.exception()
+            if exc is None:
+                self._slots.release()
+                md = fut.result()
+                if not outer.done():
+                    outer.set_result(SendResult(md.topic, md.partition, md.offset))
+                return
+            asyncio.ensure_future(self._resend(outer, exc, topic, value, key, hdrs))
+
+        inner.add_done_callback(delivered)
+        return outer
+
+    async def _resend(self, outer: asyncio.Future, exc: BaseException, topic: str, value: bytes, key, hdrs) -> None:
         from aiokafka.errors import KafkaError
 
         try:
-            try:
-                md = await inner
-            except KafkaError as exc:
-                if not getattr(exc, "retriable", False) and not isinstance(exc, asyncio.TimeoutError):
-                    raise
-                log.warning("kafka.resend", topic=topic, error=str(exc))
-                md = await _retry(
-                    "producer.resend",
-                    lambda: self._producer.send_and_wait(topic, value=value, key=key, headers=list(headers) or None),
-                    self.cfg.connect_deadline_s,
-                )
-            return SendResult(md.topic, md.partition, md.offset)
+            if not (isinstance(exc, KafkaError) and getattr(exc, "retriable", False)) and not isinstance(
+                exc, asyncio.TimeoutError
+            ):
+                raise exc
+            log.warning("kafka.resend", topic=topic, error=str(exc))
+            md = await _retry(
+                "producer.resend",
+                lambda: self._producer.send_and_wait(topic, value=value, key=key, headers=hdrs),
+                self.cfg.connect_deadline_s,
+            )
+            if not outer.done():
+                outer.set_result(SendResult(md.topic, md.partition, md.offset))
+        except BaseException as final:  # noqa: BLE001 - handed to whoever awaits the send
+            if not outer.done():
+                outer.set_exception(final)
         finally:
             self._slots.release()
 
