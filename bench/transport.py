@@ -152,11 +152,11 @@ async def conveyor_round(cfg, rollouts, partitions: int) -> float:
         await producer.close()
 
 
-async def run(bootstrap: str, n: int, rounds: int, tokens: int, partitions: int) -> tuple[float, float, int]:
+async def run(bootstrap: str, n: int, rounds: int, tokens: int, partitions: int, args_in_flight: int = 64 << 20) -> tuple[float, float, int]:
     from conveyor.config import KafkaTransportConfig
     from conveyor.contracts import encode
 
-    cfg = KafkaTransportConfig(bootstrap_servers=bootstrap, max_in_flight_sends=4096)
+    cfg = KafkaTransportConfig(bootstrap_servers=bootstrap, max_in_flight_bytes=args_in_flight)
     rollouts = make_rollouts(n, tokens)
     payloads = [encode(r) for r in rollouts]
     keys = [r.task_id.encode() for r in rollouts]

@@ -54,8 +54,8 @@ class KafkaTransportConfig(_Section):
     replication_factor: int = Field(1, ge=1, le=7)
     """Replicas per partition when Conveyor creates the topic."""
     client_id: str = "conveyor"
-    max_in_flight_sends: int = Field(1024, ge=1)
-    """Bound on unacknowledged sends: beyond it `send` waits (backpressure)."""
+    max_in_flight_bytes: int = Field(64 << 20, ge=1)
+    """Bound on unacknowledged bytes: beyond it `send` waits for acknowledgements (backpressure)."""
     max_batch_bytes: int = Field(1 << 20, ge=16 << 10)
     """Producer batch size per partition."""
     linger_ms: int = Field(5, ge=0, le=10_000)

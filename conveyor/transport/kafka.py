@@ -4,9 +4,10 @@
   count; an existing topic is left alone.
 - Producers use ``acks=all`` and no idempotence/transactions (the local
   broker does not support them; idempotency keys carry exactly-once effect).
-  At most ``max_in_flight_sends`` records are unacknowledged at once: beyond
-  that ``send`` waits, so a fast producer slows to the broker's pace instead
-  of buffering without bound.
+  At most ``max_in_flight_bytes`` are unacknowledged at once: beyond that
+  ``send`` waits, so a fast producer slows to the broker's pace instead of
+  buffering without bound. (One record larger than the bound still goes,
+  alone.)
 - While the broker is unreachable, start-up and sends retry with exponential
   backoff until ``connect_deadline_s``, then raise ``TransportUnavailable``.
   A retried send may duplicate a record; consumers are idempotent on ids.
@@ -62,7 +63,8 @@ class KafkaProducer:
     def __init__(self, cfg: "KafkaTransportConfig") -> None:
         self.cfg = cfg
         self._producer: Any = None
-        self._slots = asyncio.Semaphore(cfg.max_in_flight_sends)
+        self._in_flight_bytes = 0
+        self._space = asyncio.Event()
 
     def _make(self):
         from aiokafka import AIOKafkaProducer
@@ -93,7 +95,11 @@ class KafkaProducer:
     async def send(
         self, topic: str, value: bytes, key: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()
     ) -> Awaitable[SendResult]:
-        await self._slots.acquire()
+        size = len(value) + (len(key) if key else 0)
+        while self._in_flight_bytes and self._in_flight_bytes + size > self.cfg.max_in_flight_bytes:
+            self._space.clear()
+            await self._space.wait()
+        self._in_flight_bytes += size
         hdrs = list(headers) or None
         try:
             try:
@@ -106,7 +112,7 @@ class KafkaProducer:
                     self.cfg.connect_deadline_s,
                 )
         except BaseException:
-            self._slots.release()
+            self._release(size)
             raise
         # A plain future resolved from aiokafka's callback: no task per record
         # on the fast path; a failed delivery is retried in a task.
@@ -114,22 +120,28 @@ class KafkaProducer:
 
         def delivered(fut: asyncio.Future) -> None:
             if fut.cancelled():
-                self._slots.release()
+                self._release(size)
                 outer.cancel()
                 return
             exc = fut.exception()
             if exc is None:
-                self._slots.release()
+                self._release(size)
                 md = fut.result()
                 if not outer.done():
                     outer.set_result(SendResult(md.topic, md.partition, md.offset))
                 return
-            asyncio.ensure_future(self._resend(outer, exc, topic, value, key, hdrs))
+            asyncio.ensure_future(self._resend(outer, exc, size, topic, value, key, hdrs))
 
         inner.add_done_callback(delivered)
         return outer
 
-    async def _resend(self, outer: asyncio.Future, exc: BaseException, topic: str, value: bytes, key, hdrs) -> None:
+    def _release(self, size: int) -> None:
+        self._in_flight_bytes -= size
+        self._space.set()
+
+    async def _resend(
+        self, outer: asyncio.Future, exc: BaseException, size: int, topic: str, value: bytes, key, hdrs
+    ) -> None:
         from aiokafka.errors import KafkaError
 
         try:
@@ -149,7 +161,7 @@ class KafkaProducer:
             if not outer.done():
                 outer.set_exception(final)
         finally:
-            self._slots.release()
+            self._release(size)
 
     async def send_and_wait(
         self, topic: str, value: bytes, key: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()

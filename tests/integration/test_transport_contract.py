@@ -228,18 +228,18 @@ async def test_garbage_goes_to_dead_letter_and_consumer_carries_on(transport):
 
 
 async def test_send_applies_backpressure_beyond_max_in_flight(kafka_cfg):
-    """With max_in_flight_sends=2 a third send waits until an earlier one is acknowledged."""
+    """With room for two records in flight, a third send waits until an earlier one is acknowledged."""
     from conveyor.transport.kafka import KafkaTransport
 
-    transport = KafkaTransport(kafka_cfg.model_copy(update={"max_in_flight_sends": 2, "linger_ms": 200}))
+    transport = KafkaTransport(kafka_cfg.model_copy(update={"max_in_flight_bytes": 2000, "linger_ms": 200}))
     topic = unique("bp")
     await transport.create_topics([TopicSpec(topic, 1)])
     producer = transport.producer()
     await producer.start()
     try:
-        f1 = await producer.send(topic, b"1")
-        f2 = await producer.send(topic, b"2")
-        third = asyncio.ensure_future(producer.send(topic, b"3"))
+        f1 = await producer.send(topic, b"1" * 1000)
+        f2 = await producer.send(topic, b"2" * 1000)
+        third = asyncio.ensure_future(producer.send(topic, b"3" * 1000))
         await asyncio.sleep(0.05)
         assert not third.done(), "third send did not wait for a free slot"
         await asyncio.gather(f1, f2)
