@@ -25,12 +25,12 @@ import uuid
 
 
 def make_rollouts(n: int, tokens: int):
-    from conveyor.contracts import Float32Array, Int32Array, Rollout, Task, UInt8Array, VersionSegment, rollout_id
+    from conveyor.contracts import Rollout, Task, float32_array, int32_array, uint8_array, VersionSegment, rollout_id
 
     task = Task(task_id="bench", run_id="bench", prompt="x" * 64)
-    ids = Int32Array(range(tokens))
-    lps = Float32Array([-0.25] * tokens)
-    mask = UInt8Array([1] * tokens)
+    ids = int32_array(range(tokens))
+    lps = float32_array([-0.25] * tokens)
+    mask = uint8_array([1] * tokens)
     return [
         Rollout(
             rollout_id=rollout_id(f"task-{i // 8}", i % 8),
@@ -38,7 +38,7 @@ def make_rollouts(n: int, tokens: int):
             run_id="bench",
             sample_index=i % 8,
             group_size=8,
-            prompt_token_ids=Int32Array(range(16)),
+            prompt_token_ids=int32_array(range(16)),
             completion_token_ids=ids,
             behaviour_logprobs=lps,
             loss_mask=mask,
@@ -178,7 +178,7 @@ async def run(bootstrap: str, n: int, rounds: int, tokens: int, partitions: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap", help="host:port of an existing broker (default: start one)")
-    parser.add_argument("--messages", type=int, default=4000)
+    parser.add_argument("--messages", type=int, default=6000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1800, help="completion tokens per trajectory (1800 -> ~16 KB)")
     parser.add_argument("--partitions", type=int, default=4)

@@ -5,10 +5,10 @@ Every message is a frozen msgspec struct, encoded as msgpack with a type tag
 ``ClaimRef`` or from garbage. Nothing is ever pickled.
 
 Numeric sequences (token ids, logprobs, loss masks) travel as packed
-little-endian arrays (``Int32Array`` -> msgpack ``bin`` of int32,
-``Float32Array`` -> ``bin`` of float32, ``UInt8Array`` -> ``bin`` of uint8):
-a 4k-token trajectory is 32 KB on the wire instead of ~60 KB of msgpack ints
-and doubles, and decoding is a memcpy.
+little-endian arrays (msgpack ``bin`` of int32, float32 or uint8) and are
+typed ``memoryview`` objects in memory: a 4k-token trajectory is 36 KB on the
+wire instead of ~60 KB of msgpack ints and doubles, and decoding them is
+zero-copy.
 
 Ids are deterministic where redelivery is possible: ``rollout_id`` is derived
 from ``(task_id, sample_index, attempt)``, so a redelivered rollout *is* the
@@ -41,84 +41,53 @@ class DecodeError(ValueError):
 
 # --------------------------------------------------------------------------
 # packed numeric arrays
+#
+# On the wire a token array is one msgpack ``bin`` of little-endian int32
+# (token ids), float32 (logprobs) or uint8 (loss masks). In memory it is a
+# typed ``memoryview`` (format "i", "f" or "B"): decoding is zero-copy (the
+# view points into the received record), ``len``/indexing/``tolist()`` work,
+# and ``torch.frombuffer`` / ``numpy.frombuffer`` take it without a copy.
+# Constructors accept any sequence of numbers and pack it.
+
+_BIG_ENDIAN = sys.byteorder == "big"
+_ITEMSIZE = {"i": 4, "f": 4, "B": 1}
 
 
-class _PackedArray(array.array):
-    """An ``array.array`` with a fixed typecode, packed little-endian on the wire."""
-
-    TYPECODE = "b"
-    ITEMSIZE = 1
-
-    def __new__(cls, values: Any = ()):  # noqa: D102 - array.array signature
-        if isinstance(values, (bytes, bytearray, memoryview)):
-            return cls.from_wire(values)
-        return array.array.__new__(cls, cls.TYPECODE, values)
-
-    @classmethod
-    def from_wire(cls, data: bytes | bytearray | memoryview) -> "_PackedArray":
-        arr = array.array.__new__(cls, cls.TYPECODE)
-        arr.frombytes(data)
-        if _BIG_ENDIAN:
+def _packed(value: Any, fmt: str, field_name: str) -> memoryview:
+    if isinstance(value, memoryview) and value.format == fmt and value.ndim == 1:
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):  # wire form: raw little-endian bytes
+        raw = value if isinstance(value, memoryview) else memoryview(value)
+        if raw.format not in ("B", "b", "c"):
+            raw = raw.cast("B")
+        if len(raw) % _ITEMSIZE[fmt]:
+            raise ValueError(f"{field_name}: {len(raw)} bytes is not a multiple of {_ITEMSIZE[fmt]}")
+        if _BIG_ENDIAN and _ITEMSIZE[fmt] > 1:
+            arr = array.array(fmt)
+            arr.frombytes(raw)
             arr.byteswap()
-        return arr
-
-    def to_wire(self) -> bytes:
-        if _BIG_ENDIAN:
-            swapped = array.array(self.TYPECODE, self)
-            swapped.byteswap()
-            return swapped.tobytes()
-        return self.tobytes()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.tolist()!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, array.array):
-            return self.tolist() == other.tolist()
-        if isinstance(other, list):
-            return self.tolist() == other
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
+            return memoryview(arr)
+        return raw.cast(fmt)
+    arr = array.array(fmt, value)
+    if _BIG_ENDIAN and _ITEMSIZE[fmt] > 1:
+        # Stored little-endian so that encode can send the buffer as is.
+        raise NotImplementedError("big-endian hosts are not supported")
+    return memoryview(arr)
 
 
-class Int32Array(_PackedArray):
-    """Token ids (int32)."""
-
-    TYPECODE = "i"
-    ITEMSIZE = 4
+def int32_array(values: Any) -> memoryview:
+    """Token ids as a packed int32 view."""
+    return _packed(values, "i", "int32_array")
 
 
-class Float32Array(_PackedArray):
-    """Per-token logprobs (float32)."""
-
-    TYPECODE = "f"
-    ITEMSIZE = 4
+def float32_array(values: Any) -> memoryview:
+    """Logprobs as a packed float32 view."""
+    return _packed(values, "f", "float32_array")
 
 
-class UInt8Array(_PackedArray):
-    """Loss masks (0 = not trained on, 1 = trained on)."""
-
-    TYPECODE = "B"
-
-
-_PACKED = (Int32Array, Float32Array, UInt8Array)
-
-
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, _PackedArray):
-        return obj.to_wire()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
-
-
-def _dec_hook(typ: type, obj: Any) -> Any:
-    if typ in _PACKED:
-        if type(obj) is not bytes:
-            raise ValueError(f"expected packed bytes for {typ.__name__}")
-        if len(obj) % typ.ITEMSIZE:
-            raise ValueError(f"{typ.__name__} payload of {len(obj)} bytes is not a multiple of {typ.ITEMSIZE}")
-        return typ.from_wire(obj)
-    raise NotImplementedError(f"cannot decode {typ}")
+def uint8_array(values: Any) -> memoryview:
+    """A loss mask as a packed uint8 view."""
+    return _packed(values, "B", "uint8_array")
 
 
 # --------------------------------------------------------------------------
@@ -247,10 +216,10 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
     sample_index: int
     attempt: int = 0
     group_size: int = 1
-    prompt_token_ids: Int32Array
-    completion_token_ids: Int32Array
-    behaviour_logprobs: Float32Array  # log p_behaviour(token), the sampled distribution
-    loss_mask: UInt8Array
+    prompt_token_ids: memoryview  # bin: int32 LE
+    completion_token_ids: memoryview  # bin: int32 LE
+    behaviour_logprobs: memoryview  # bin: float32 LE, log p_behaviour(token) of the sampled distribution
+    loss_mask: memoryview  # bin: uint8, 1 = trained on
     version_segments: list[VersionSegment]
     turns: list[Turn] = msgspec.field(default_factory=list)
     finish_reason: Literal["stop", "length", "abort", "tool_limit", "error"] = "stop"
@@ -258,6 +227,15 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
     task: Task | None = None  # the task it answers (verifier spec travels with it)
 
     def __post_init__(self) -> None:
+        for name, fmt, size in _ROLLOUT_ARRAYS:
+            v = getattr(self, name)
+            if type(v) is memoryview:  # the decode path: a 'B' view of the wire bytes
+                if v.format == fmt:
+                    continue
+                if v.format == "B" and not _BIG_ENDIAN and len(v) % size == 0:
+                    _force_setattr(self, name, v.cast(fmt))
+                    continue
+            _force_setattr(self, name, _packed(v, fmt, name))
         n = len(self.completion_token_ids)
         if len(self.behaviour_logprobs) != n or len(self.loss_mask) != n:
             raise ValueError(
@@ -268,6 +246,15 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
     @property
     def min_policy_version(self) -> int:
         return min((s.policy_version for s in self.version_segments), default=-1)
+
+
+_ROLLOUT_ARRAYS = (
+    ("prompt_token_ids", "i", 4),
+    ("completion_token_ids", "i", 4),
+    ("behaviour_logprobs", "f", 4),
+    ("loss_mask", "B", 1),
+)
+_force_setattr = msgspec.structs.force_setattr
 
 
 class Feedback(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -368,14 +355,14 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     for cls in (Task, Rollout, ScoredRollout, WeightsAnnouncement, LearnerProgress, DeadLetter, ClaimRef)
 }
 
-_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 
 
 def _decoder(typ: Any) -> msgspec.msgpack.Decoder:
     dec = _decoders.get(typ)
     if dec is None:
-        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ, dec_hook=_dec_hook)
+        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
     return dec
 
 
@@ -391,10 +378,16 @@ def decode(raw: bytes, typ: type[M]) -> M:
         raise DecodeError(f"not a valid {typ.__name__}: {exc}") from exc
 
 
+_claim_unions: dict[type, Any] = {}
+
+
 def decode_or_claim(raw: bytes, typ: type[M]) -> M | ClaimRef:
     """Decode a topic value that is either ``typ`` or a claim check for one."""
+    union = _claim_unions.get(typ)
+    if union is None:
+        union = _claim_unions[typ] = typ | ClaimRef  # type: ignore[operator]
     try:
-        return _decoder(typ | ClaimRef).decode(raw)  # type: ignore[operator]
+        return _decoder(union).decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
         raise DecodeError(f"not a valid {typ.__name__}: {exc}") from exc
 
@@ -408,11 +401,15 @@ def decode_any(raw: bytes) -> Message:
 def to_builtins(msg: Message) -> Any:
     """A JSON-friendly view of a message (packed arrays become lists)."""
 
-    def hook(obj: Any) -> Any:
-        if isinstance(obj, _PackedArray):
+    def convert(obj: Any) -> Any:
+        if isinstance(obj, memoryview):
             return obj.tolist()
         if isinstance(obj, (bytes, bytearray)):
             return obj.hex() if len(obj) <= 64 else f"<{len(obj)} bytes>"
-        raise NotImplementedError
+        if isinstance(obj, dict):
+            return {k: convert(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [convert(v) for v in obj]
+        return obj
 
-    return msgspec.to_builtins(msg, enc_hook=hook, builtin_types=())
+    return convert(msgspec.to_builtins(msg, builtin_types=(memoryview, bytes, bytearray)))

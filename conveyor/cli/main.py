@@ -42,6 +42,7 @@ def version() -> None:
 def config_validate(
     file: Path = typer.Argument(..., help="Run config (YAML)."),
     show: bool = typer.Option(False, "--show", help="Print the config with defaults filled in."),
+    connect: bool = typer.Option(False, "--connect", help="Also connect to the broker, object store and Celery broker it names."),
 ) -> None:
     """Check a run config: unknown keys, bad values and bad backends are named."""
     from conveyor.config import load_run_config
@@ -57,6 +58,15 @@ def config_validate(
         import yaml
 
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    if connect:
+        from conveyor.probe import probe_all
+
+        results = probe_all(cfg)
+        for r in results:
+            mark = "ok  " if r.ok else "FAIL"
+            typer.echo(f"  {mark} {r.section:<13} {r.target}: {r.detail}")
+        if not all(r.ok for r in results):
+            raise typer.Exit(3)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import free_port_block
+from conveyor.stack.manager import free_port_block
 
 
 def conveyor(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from conveyor.contracts import ClaimRef, DeadLetter, Float32Array, Int32Array, Rollout, UInt8Array, VersionSegment, decode, rollout_id
+from conveyor.contracts import ClaimRef, DeadLetter, Rollout, VersionSegment, decode, float32_array, int32_array, rollout_id, uint8_array
 from conveyor.messaging import ClaimCheck, DeadLetterSink, Publisher, Subscriber
 from conveyor.transport.memory import MemoryTransport
 from storage.objectstore import LocalObjectStore
@@ -16,10 +16,10 @@ def big_rollout(n: int) -> Rollout:
         task_id="t",
         run_id="r",
         sample_index=0,
-        prompt_token_ids=Int32Array(range(n)),
-        completion_token_ids=Int32Array(range(n)),
-        behaviour_logprobs=Float32Array([-1.0] * n),
-        loss_mask=UInt8Array([1] * n),
+        prompt_token_ids=int32_array(range(n)),
+        completion_token_ids=int32_array(range(n)),
+        behaviour_logprobs=float32_array([-1.0] * n),
+        loss_mask=uint8_array([1] * n),
         version_segments=[VersionSegment(start=0, end=n, policy_version=0)],
     )
 

@@ -7,21 +7,21 @@ from conveyor.contracts import (
     ClaimRef,
     DecodeError,
     Feedback,
-    Float32Array,
-    Int32Array,
     LearnerProgress,
     Rollout,
     ScoredRollout,
     Task,
-    UInt8Array,
     VersionSegment,
     WeightsAnnouncement,
     decode,
     decode_any,
     decode_or_claim,
     encode,
+    float32_array,
+    int32_array,
     rollout_id,
     to_builtins,
+    uint8_array,
 )
 
 
@@ -33,10 +33,10 @@ def make_rollout(n: int = 5, sample_index: int = 0) -> Rollout:
         run_id="r",
         sample_index=sample_index,
         group_size=4,
-        prompt_token_ids=Int32Array([1, 2, 3]),
-        completion_token_ids=Int32Array(range(n)),
-        behaviour_logprobs=Float32Array([-0.5] * n),
-        loss_mask=UInt8Array([1] * n),
+        prompt_token_ids=int32_array([1, 2, 3]),
+        completion_token_ids=int32_array(range(n)),
+        behaviour_logprobs=float32_array([-0.5] * n),
+        loss_mask=uint8_array([1] * n),
         version_segments=[VersionSegment(start=0, end=n, policy_version=3)],
         task=task,
     )
@@ -73,7 +73,17 @@ def test_token_arrays_are_packed_on_the_wire():
     assert len(raw) < 37_000
     back = decode(raw, Rollout)
     assert back.completion_token_ids.tolist() == list(range(4000))
-    assert isinstance(back.behaviour_logprobs, Float32Array)
+    assert back.behaviour_logprobs.format == "f" and back.behaviour_logprobs[0] == -0.5
+    assert back.loss_mask.format == "B"
+
+
+def test_constructors_accept_plain_sequences():
+    import array
+
+    r = make_rollout(n=3)
+    same = msgspec.structs.replace(r, completion_token_ids=[0, 1, 2], behaviour_logprobs=array.array("f", [-0.5] * 3))
+    assert same == r
+    assert same.completion_token_ids.format == "i"
 
 
 def test_messages_are_frozen():
