@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -214,7 +213,3 @@ class Subscriber(Generic[M]):
 
     async def close(self) -> None:
         await self.consumer.close()
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

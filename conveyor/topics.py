@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from conveyor.contracts import (
     DeadLetter,
@@ -18,6 +19,9 @@ from conveyor.contracts import (
     Task,
     WeightsAnnouncement,
 )
+
+if TYPE_CHECKING:
+    from conveyor.transport.base import TopicSpec
 
 TOPIC_KINDS: dict[str, type[Message]] = {
     "tasks": Task,
@@ -81,6 +85,18 @@ class Topics:
 
     def all(self) -> list[str]:
         return [self.name(kind) for kind in TOPIC_KINDS]
+
+    def specs(self, partitions: int) -> list["TopicSpec"]:
+        """What to create for a run: data topics with ``partitions`` partitions;
+        ``weights`` and ``progress`` (keyed by run_id, one writer) with one,
+        ``weights`` compacted so a new worker reads the latest version first."""
+        from conveyor.transport.base import TopicSpec
+
+        single = {"weights", "progress"}
+        return [
+            TopicSpec(self.name(kind), 1 if kind in single else partitions, compacted=kind == "weights")
+            for kind in TOPIC_KINDS
+        ]
 
 
 def message_type_of(topic: str) -> type[Message] | None:

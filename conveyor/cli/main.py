@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -23,6 +22,15 @@ config_app = typer.Typer(help="Run configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(stack_cli.app, name="stack")
 app.add_typer(topics_cli.app, name="topics")
+
+
+@app.callback()
+def _root(
+    log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning | error"),
+) -> None:
+    from conveyor.logging import configure_logging
+
+    configure_logging("cli", fmt="console", level=log_level)
 
 
 def fail(message: str, code: int) -> None:

@@ -181,6 +181,8 @@ def s3_component(ports: StackPorts, data_dir: Path) -> Component:
             f"-volume.port.grpc={ports.s3_volume_grpc}",
             f"-filer.port={ports.s3_filer}",
             f"-filer.port.grpc={ports.s3_filer_grpc}",
+            "-s3.port.iceberg=0",  # on by default (8181): would collide between stacks
+            "-s3.port.lance=0",  # likewise (9101)
             "-volume.max=5",
             "-master.volumeSizeLimitMB=1024",
         ],

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 
 from conveyor.stack.manager import free_port_block
 

@@ -11,6 +11,9 @@ def test_names_are_namespaced_by_run():
     assert len(set(t.all())) == 6
     assert message_type_of(t.tasks) is Task and message_type_of(t.rollouts) is Rollout
     assert message_type_of("unrelated") is None
+    specs = {s.name: s for s in t.specs(partitions=8)}
+    assert specs[t.rollouts].partitions == 8 and not specs[t.rollouts].compacted
+    assert specs[t.weights].partitions == 1 and specs[t.weights].compacted
 
 
 @pytest.mark.parametrize("bad", ["", "a b", "-x", "a.b", "x" * 65])

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import json
+
+import structlog
+from prometheus_client import generate_latest
+
+from conveyor.contracts import Task
+from conveyor.logging import configure_logging
+from conveyor.messaging import DeadLetterSink, Publisher, Subscriber
+from conveyor.metrics import TransportMetrics, make_registry
+from conveyor.transport.memory import MemoryTransport
+
+
+def test_json_logs_carry_bound_context(capsys):
+    configure_logging("reward-bridge", fmt="json", level="info", run_id="r1")
+    structlog.contextvars.bind_contextvars(task_id="t9")
+    structlog.get_logger("x").info("scored", reward=1.0)
+    structlog.get_logger("x").debug("hidden")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert len(lines) == 1
+    assert lines[0] | {"service": "reward-bridge", "run_id": "r1", "task_id": "t9", "event": "scored", "level": "info"} == lines[0]
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+
+
+async def test_transport_metrics_count_what_happened():
+    registry = make_registry()
+    metrics = TransportMetrics.create(registry)
+    transport = MemoryTransport(partitions=1)
+    producer = transport.producer()
+    pub = Publisher(producer, "tasks", metrics=metrics)
+    await pub.publish_and_wait(Task(task_id="a", run_id="r", prompt="p"), "a")
+    await producer.send_and_wait("tasks", b"junk")
+    sub = Subscriber(transport, ["tasks"], "g", Task, dead_letters=DeadLetterSink(producer, "dl", "s"), metrics=metrics)
+    await sub.start()
+    assert len(await sub.poll(timeout_s=0.1)) == 1
+    text = generate_latest(registry).decode()
+    assert 'conveyor_messages_published_total{topic="tasks"} 1.0' in text
+    assert 'conveyor_messages_consumed_total{topic="tasks"} 1.0' in text
+    assert 'conveyor_messages_dead_lettered_total{reason="DecodeError",topic="tasks"} 1.0' in text
