@@ -292,8 +292,9 @@ class WeightsAnnouncement(Message, frozen=True, kw_only=True, tag="weights"):
 
     run_id: str
     version: int
-    uri: str  # object-store URI of the safetensors directory / manifest
-    sha256: str  # checksum of the manifest at ``uri``
+    key: str  # object-store key of the weights (safetensors)
+    uri: str  # the same, as a URI for humans (s3://bucket/key, file://...)
+    sha256: str  # checksum of the object at ``key``
     step: int = 0
 
 

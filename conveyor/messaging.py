@@ -205,6 +205,11 @@ class Subscriber(Generic[M]):
         else:
             await self.consumer.commit(next_offsets([d.record for d in deliveries]))
 
+    async def commit_offsets(self, offsets: dict[TopicPartition, int]) -> None:
+        """Commit explicit positions (the next offset to read per partition)."""
+        if offsets:
+            await self.consumer.commit(offsets)
+
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.consumer.seek(tp, offset)
 

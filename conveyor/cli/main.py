@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -75,6 +76,50 @@ def config_validate(
             typer.echo(f"  {mark} {r.section:<13} {r.target}: {r.detail}")
         if not all(r.ok for r in results):
             raise typer.Exit(3)
+
+
+@app.command()
+def demo(
+    seed: int = typer.Option(0, help="Seed for the model, warm-up data, sampling and task order."),
+    engine: str = typer.Option("reference", help="reference | vllm"),
+    sync: bool = typer.Option(False, "--sync", help="Lock step: generate, then score, then train (max_lag 0)."),
+    budget: float = typer.Option(90.0, help="Seconds of RL after the warm-up."),
+    max_steps: Optional[int] = typer.Option(None, help="Stop after this many learner steps."),
+    warmup_steps: int = typer.Option(800, help="Supervised warm-up steps."),
+    max_lag: int = typer.Option(1, help="Policy versions a sample may lag the learner."),
+    target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
+    eval_every: int = typer.Option(10, help="Evaluate held-out pass rate every N versions."),
+    out: Path = typer.Option(Path("runs"), help="Runs directory."),
+) -> None:
+    """Run the whole pipeline in one process and watch a policy learn."""
+    from conveyor.demo import DemoConfig, make_display, run_demo
+
+    cfg = DemoConfig(
+        seed=seed, engine=engine, sync=sync, rl_budget_s=budget, max_steps=max_steps, warmup_steps=warmup_steps,
+        max_lag=max_lag, target_pass_rate=target, eval_every=eval_every, out_dir=out,
+    )
+    display = make_display(sys.stderr.isatty())
+    try:
+        result = run_demo(cfg, display)
+    finally:
+        display.stop()
+    typer.echo(f"run directory: {result.run_dir}")
+    typer.echo(
+        f"steps {result.steps}, rollouts published {result.published_rollouts}, scored {result.scored_rollouts}, "
+        f"in the lake {result.lake_rows}, weight swaps {result.swaps}, max staleness {result.max_staleness}"
+    )
+    typer.echo(f"report: {result.run_dir / 'report.png'}")
+    typer.echo(f"FIGURE heldout_pass_rate_start {result.heldout_start:.3f} fraction")
+    typer.echo(f"FIGURE heldout_pass_rate_end {result.heldout_end:.3f} fraction")
+    typer.echo(f"FIGURE demo_wall_time {result.wall_time_s:.1f} s")
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="A run directory (runs/<run>).")) -> None:
+    """Draw report.png from a run's metrics."""
+    from conveyor.report import write_report
+
+    typer.echo(write_report(run_dir))
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ def test_every_message_round_trips():
         r.task,
         r,
         ScoredRollout(rollout=r, reward=1.0, verdict="pass", feedback=Feedback(message="ok")),
-        WeightsAnnouncement(run_id="r", version=2, uri="s3://b/k", sha256="ab" * 32),
+        WeightsAnnouncement(run_id="r", version=2, key="k", uri="s3://b/k", sha256="ab" * 32),
         LearnerProgress(run_id="r", samples_consumed=10, policy_version=2),
         ClaimRef(key="claims/x", uri="s3://b/claims/x", sha256="00", size=1, message_type="rollout"),
     ]

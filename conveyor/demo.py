@@ -1,0 +1,348 @@
+"""``conveyor demo``: the whole pipeline in one process, learning visibly.
+
+1. Creates a small Llama-architecture model with a character tokenizer (HF
+   format, so transformers and vLLM load the same directory) and warms it up
+   with supervised steps on the demo task family (``producers.suites.pyexpr``),
+   whose teacher is systematically wrong on some expressions.
+2. Runs asynchronous RL through the real services on in-memory topics and a
+   local-directory object store: producer -> tasks -> rollout worker
+   (reference engine) -> rollouts -> reward bridge (bubblewrap sandbox) ->
+   scored -> learner (GRPO, PPO-clip against behaviour logprobs) -> weights
+   (object store + weights topic) -> rollout worker; the storage sink writes
+   every scored rollout to the lake. An evaluator measures held-out greedy
+   pass rate on announced versions.
+3. Shows progress, writes ``runs/<run>/report.png`` and metrics, and prints
+   the FIGURE lines.
+
+``--sync`` runs the same services in lock step (``max_lag = 0``: the worker
+generates a batch only after the learner consumed the previous one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class DemoConfig:
+    seed: int = 0
+    run_id: str | None = None
+    out_dir: Path = Path("runs")
+    engine: str = "reference"
+    warmup_steps: int = 800
+    warmup_noise: float = 0.7
+    warmup_lr: float = 1e-3
+    rl_budget_s: float = 90.0
+    max_steps: int | None = None
+    batch_groups: int = 16
+    group_size: int = 8
+    max_lag: int = 1
+    lr: float = 5e-4
+    heldout_size: int = 100
+    eval_every: int = 10
+    sync: bool = False
+    threads_per_role: int = 1
+    target_pass_rate: float | None = None  # stop early once held-out reaches it
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class DemoResult:
+    run_dir: Path
+    heldout_start: float
+    heldout_end: float
+    wall_time_s: float
+    rl_time_s: float
+    steps: int
+    evals: list[dict]
+    published_rollouts: int
+    scored_rollouts: int
+    lake_rows: int
+    max_staleness: int
+    swaps: int
+
+
+class Evaluator:
+    """Greedy held-out pass rate of a policy version, scored in the sandbox."""
+
+    def __init__(self, engine, sandbox, problems) -> None:
+        self.engine = engine
+        self.sandbox = sandbox
+        self.problems = problems
+        self.newline = engine.encode("\n")[0]
+
+    def pass_rate(self) -> float:
+        from reward.verifiers import _INT_LITERAL
+
+        outs = self.engine.generate(
+            [self.engine.encode(p.prompt) for p in self.problems], 1, max_new_tokens=5, stop_token_ids={self.newline}, greedy=True
+        )
+        texts = [self.engine.decode(o[0].token_ids) for o in outs]
+        programs = [p.prompt + t for p, t in zip(self.problems, texts) if _INT_LITERAL.match(t)]
+        passed = sum(r.verdict == "pass" for r in self.sandbox.run_batch(programs))
+        return passed / len(self.problems)
+
+
+def _warmup(model, tokenizer, cfg: DemoConfig, rng: random.Random) -> float:
+    import torch
+
+    from learner.sft import sft_step
+    from producers.suites.pyexpr import sample_problems, warmup_completion
+
+    stream = sample_problems(rng)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
+    enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+    loss = float("nan")
+    for _ in range(cfg.warmup_steps):
+        batch = [next(stream) for _ in range(64)]
+        loss = sft_step(
+            model, opt, [enc(p.prompt) for p in batch], [enc(warmup_completion(p, rng, cfg.warmup_noise)) for p in batch], tokenizer.pad_token_id
+        )
+    return loss
+
+
+def _task_stream(cfg: DemoConfig, run_id: str, rng: random.Random):
+    from producers.suites.pyexpr import sample_problems, to_task
+
+    for i, p in enumerate(sample_problems(rng)):
+        yield to_task(p, run_id, cfg.group_size, i)
+
+
+async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
+    from conveyor.topics import Topics
+    from conveyor.transport.memory import MemoryTransport
+    from learner.recipe import GRPOLearner
+    from producers.producer import TaskProducer
+    from reward.bridge import RewardBridge
+    from rollout_workers.worker import RolloutWorker
+    from storage.sink import StorageSink
+
+    topics = Topics(ctx["run_id"])
+    transport = MemoryTransport(partitions=4)
+    await transport.create_topics(topics.specs(4))
+    batch_samples = cfg.batch_groups * cfg.group_size
+    max_lag = 0 if cfg.sync else cfg.max_lag
+    producer = TaskProducer(transport, topics, ctx["tasks"], learner_batch_samples=batch_samples, max_lag=max_lag)
+    worker = RolloutWorker(
+        transport, topics, ctx["engine"], ctx["store"],
+        learner_batch_samples=batch_samples, max_lag=max_lag, tasks_per_batch=cfg.batch_groups,
+    )
+    bridge = RewardBridge(transport, topics, ctx["sandbox"], ctx["engine"].decode)
+    learner = GRPOLearner(
+        transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
+        run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr,
+    )
+    sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
+    ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)
+
+    # Shutdown drains front to back: generation stops, the bridge scores what
+    # was generated, the learner stops, the sink stores everything scored.
+    stop = asyncio.Event()
+    bridge_stop = asyncio.Event()
+    learner_stop = asyncio.Event()
+    sink_stop = asyncio.Event()
+    services = {
+        "producer": asyncio.create_task(producer.run(stop)),
+        "rollout-worker": asyncio.create_task(worker.run(stop)),
+        "reward-bridge": asyncio.create_task(bridge.run(bridge_stop)),
+        "learner": asyncio.create_task(learner.run(learner_stop)),
+        "storage-sink": asyncio.create_task(sink.run(sink_stop)),
+    }
+    started = time.monotonic()
+    evaluated_version = 0
+    eval_task: asyncio.Task | None = None
+    try:
+        while True:
+            for name, task in services.items():
+                if task.done() and task.exception() is not None:
+                    raise RuntimeError(f"service {name} died") from task.exception()
+            elapsed = time.monotonic() - started
+            if eval_task is not None and eval_task.done():
+                ctx["evals"].append(eval_task.result())
+                eval_task = None
+                last = ctx["evals"][-1]["pass_rate"]
+                if cfg.target_pass_rate is not None and last >= cfg.target_pass_rate:
+                    break
+            if eval_task is None and learner.published_version >= evaluated_version + cfg.eval_every:
+                evaluated_version = learner.published_version
+                eval_task = asyncio.create_task(_evaluate(ctx, learner, started))
+            display(ctx, elapsed)
+            if elapsed >= cfg.rl_budget_s or (cfg.max_steps is not None and learner.step >= cfg.max_steps):
+                break
+            await asyncio.sleep(0.25)
+    finally:
+        stop.set()
+        if eval_task is not None:
+            ctx["evals"].append(await eval_task)
+        for event, names in (
+            (None, ("producer", "rollout-worker")),
+            (bridge_stop, ("reward-bridge",)),
+            (learner_stop, ("learner",)),
+            (sink_stop, ("storage-sink",)),
+        ):
+            if event is not None:
+                event.set()
+            done = await asyncio.gather(*(asyncio.wait_for(services[n], 120) for n in names), return_exceptions=True)
+            for name, outcome in zip(names, done):
+                if isinstance(outcome, BaseException):
+                    raise RuntimeError(f"service {name} failed during shutdown") from outcome
+    ctx["rl_time_s"] = time.monotonic() - started
+
+
+async def _evaluate(ctx: dict, learner, started: float) -> dict:
+    """Evaluate the newest *published* version (read back from the object
+    store), never the learner's weights while a step may be updating them."""
+    from safetensors.torch import load
+
+    version, key = learner.published_version, learner.published_key
+
+    def work() -> float:
+        ctx["eval_engine"].load_state_dict(load(ctx["store"].get(key)), version)
+        return ctx["evaluator"].pass_rate()
+
+    rate = await asyncio.to_thread(work)
+    return {"version": version, "wall_s": time.monotonic() - started, "pass_rate": rate}
+
+
+def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET, heldout_set
+    from reward.sandbox import PythonSandbox
+    from rollout_workers.reference_engine import ReferenceEngine
+    from storage.objectstore import LocalObjectStore
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    t0 = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads_per_role)
+    rng = random.Random(cfg.seed)
+    run_id = cfg.run_id or f"demo-{'sync' if cfg.sync else 'async'}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = (cfg.out_dir / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), "out_dir": str(cfg.out_dir), "run_id": run_id}, indent=2))
+    display = display or (lambda ctx, elapsed: None)
+
+    if cfg.engine != "reference":
+        raise SystemExit(f"--engine {cfg.engine}: only the reference engine is available in this build (vLLM backend: issue #5)")
+
+    model_dir = run_dir / "model"
+    model, tokenizer = create_tiny_llama(model_dir, ALPHABET, seed=cfg.seed)
+    torch.set_num_threads(2)
+    warm_loss = _warmup(model, tokenizer, cfg, rng)
+    torch.set_num_threads(cfg.threads_per_role)
+    model.save_pretrained(model_dir)
+    log.info("demo.warmup_done", loss=round(warm_loss, 4), seconds=round(time.monotonic() - t0, 1))
+
+    sandbox = PythonSandbox(timeout_s=1.0)
+    engine = ReferenceEngine(model_dir, seed=cfg.seed)
+    eval_engine = ReferenceEngine(model_dir, seed=cfg.seed)
+    evaluator = Evaluator(eval_engine, sandbox, heldout_set(cfg.heldout_size))
+    start_rate = evaluator.pass_rate()
+
+    learner_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ctx: dict = {
+        "run_id": run_id,
+        "run_dir": run_dir,
+        "store": LocalObjectStore(run_dir / "objects"),
+        "model": learner_model,
+        "pad_id": tokenizer.pad_token_id,
+        "engine": engine,
+        "eval_engine": eval_engine,
+        "evaluator": evaluator,
+        "sandbox": sandbox,
+        "tasks": _task_stream(cfg, run_id, rng),
+        "evals": [{"version": 0, "wall_s": 0.0, "pass_rate": start_rate}],
+        "cfg": cfg,
+    }
+    asyncio.run(_run_services(cfg, ctx, display))
+
+    learner = ctx["learner"]
+    if not ctx["evals"] or ctx["evals"][-1]["version"] != learner.version:
+        eval_engine.load_state_dict(learner.model.state_dict(), learner.version)
+        ctx["evals"].append({"version": learner.version, "wall_s": ctx["rl_time_s"], "pass_rate": evaluator.pass_rate()})
+    with (run_dir / "eval.jsonl").open("w") as fh:
+        for e in ctx["evals"]:
+            fh.write(json.dumps(e) + "\n")
+    from conveyor.report import write_report
+
+    write_report(run_dir)
+    return DemoResult(
+        run_dir=run_dir,
+        heldout_start=start_rate,
+        heldout_end=ctx["evals"][-1]["pass_rate"],
+        wall_time_s=time.monotonic() - t0,
+        rl_time_s=ctx["rl_time_s"],
+        steps=learner.step,
+        evals=ctx["evals"],
+        published_rollouts=ctx["worker"].generated,
+        scored_rollouts=ctx["bridge"].scored,
+        lake_rows=ctx["sink"].rows_written,
+        max_staleness=max(learner.staleness) if learner.staleness else 0,
+        swaps=ctx["worker"].swaps,
+    )
+
+
+def make_display(console_is_tty: bool):
+    """A live table on a terminal; a line every 10 s otherwise."""
+    if console_is_tty:
+        from rich.live import Live
+        from rich.table import Table
+
+        live = Live(refresh_per_second=4, transient=False)
+        live.start()
+
+        def show(ctx: dict, elapsed: float) -> None:
+            table = Table(title=f"conveyor demo — {ctx['run_id']}", show_header=True)
+            for col in ("elapsed", "step", "version", "reward", "held-out", "staleness", "rollouts/s", "tokens/s"):
+                table.add_column(col)
+            learner, worker = ctx["learner"], ctx["worker"]
+            last = learner.history[-1] if learner.history else {}
+            table.add_row(
+                f"{elapsed:5.0f}s",
+                str(learner.step),
+                f"{learner.version} (worker {worker.engine.version})",
+                f"{last.get('reward_mean', 0):.2f}",
+                f"{ctx['evals'][-1]['pass_rate']:.2f} @v{ctx['evals'][-1]['version']}",
+                str(last.get("max_staleness", 0)),
+                f"{worker.generated / max(elapsed, 1e-9):.0f}",
+                f"{worker.tokens / max(elapsed, 1e-9):.0f}",
+            )
+            live.update(table)
+
+        show.stop = live.stop  # type: ignore[attr-defined]
+        return show
+
+    state = {"next": 0.0}
+
+    def show_line(ctx: dict, elapsed: float) -> None:
+        if elapsed < state["next"]:
+            return
+        state["next"] = elapsed + 10
+        learner, worker = ctx["learner"], ctx["worker"]
+        last = learner.history[-1] if learner.history else {}
+        print(
+            f"[{elapsed:5.0f}s] step {learner.step} version {learner.version} (worker {worker.engine.version}) "
+            f"reward {last.get('reward_mean', 0):.2f} held-out {ctx['evals'][-1]['pass_rate']:.2f} "
+            f"staleness {last.get('max_staleness', 0)} rollouts/s {worker.generated / max(elapsed, 1e-9):.0f}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    show_line.stop = lambda: None  # type: ignore[attr-defined]
+    return show_line

@@ -1,0 +1,277 @@
+"""The GRPO learner recipe: scored topic -> training steps -> weights and progress.
+
+``setup`` happens in ``__init__``, ``run`` trains until stopped, and every
+step is one readable function (``_train_step``).
+
+- Batches are built from complete groups (all ``group_size`` samples of a
+  task). A group still incomplete after ``group_timeout_s`` (a lost sample)
+  is dropped and counted in ``groups_incomplete``; it is never trained on
+  half.
+- Samples older than ``max_lag`` policy versions are dropped and counted;
+  the staleness histogram of every step is logged.
+- Groups with zero reward variance are filtered (dynamic sampling) and
+  counted.
+- After each step the policy is written to the object store as safetensors
+  under a versioned key and announced on the weights topic; old versions
+  beyond ``keep_versions`` are deleted. Progress (samples consumed, version)
+  goes to the progress topic for admission control.
+- Offsets: the committed position of each partition is the oldest record
+  not yet trained on (or dropped), so a crash re-reads what was pending and
+  never skips it; rollout ids already trained on are skipped.
+
+Not yet (issue #6): checkpoints with optimizer/RNG/offsets, the decoupled
+PPO objective, KL penalty, packing, FSDP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import structlog
+
+from conveyor.contracts import LearnerProgress, ScoredRollout, WeightsAnnouncement
+from conveyor.messaging import DeadLetterSink, Delivery, Publisher, Subscriber
+from conveyor.topics import Topics
+from conveyor.transport.base import TopicPartition, Transport
+from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs, group_advantages
+from storage.objectstore import ObjectStore
+
+log = structlog.get_logger(__name__)
+
+
+class GRPOLearner:
+    def __init__(
+        self,
+        transport: Transport,
+        topics: Topics,
+        model,
+        pad_id: int,
+        store: ObjectStore,
+        *,
+        run_dir: Path,
+        batch_groups: int = 16,
+        max_lag: int = 1,
+        lr: float = 3e-4,
+        loss: LossConfig = LossConfig(),
+        group_timeout_s: float = 60.0,
+        keep_versions: int = 3,
+        group_id: str = "learner",
+    ) -> None:
+        import torch
+
+        self.transport = transport
+        self.topics = topics
+        self.model = model
+        self.pad_id = pad_id
+        self.store = store
+        self.run_dir = Path(run_dir)
+        self.batch_groups = batch_groups
+        self.max_lag = max_lag
+        self.loss_cfg = loss
+        self.group_timeout_s = group_timeout_s
+        self.keep_versions = keep_versions
+        self.group_id = group_id
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        self.version = 0
+        self.published_version = 0  # the newest version in the object store and announced
+        self.published_key: str | None = None
+        self.step = 0
+        self.samples_consumed = 0
+        self.trained_ids: set[str] = set()
+        self.counters: Counter[str] = Counter()
+        self.staleness: Counter[int] = Counter()
+        self.history: list[dict] = []
+        self.busy_s = 0.0
+        self._groups: dict[str, dict[str, Delivery[ScoredRollout]]] = {}
+        self._first_seen: dict[str, float] = {}
+        self._consumed_records: list = []  # records trained on or dropped since the last commit
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ run
+    async def run(self, stop: asyncio.Event) -> None:
+        producer = self.transport.producer()
+        await producer.start()
+        weights_pub: Publisher[WeightsAnnouncement] = Publisher(producer, self.topics.weights)
+        progress_pub: Publisher[LearnerProgress] = Publisher(producer, self.topics.progress)
+        sub = Subscriber(
+            self.transport,
+            [self.topics.scored],
+            self.group_id,
+            ScoredRollout,
+            dead_letters=DeadLetterSink(producer, self.topics.dead_letter, "learner"),
+        )
+        await sub.start()
+        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        try:
+            while not stop.is_set():
+                for d in await sub.poll(timeout_s=0.2, max_records=1024):
+                    self._add(d)
+                self._expire()
+                batch = self._ready_batch()
+                if batch is None:
+                    continue
+                stats = await asyncio.to_thread(self._train_step, batch)
+                self.version += 1
+                await self._publish_weights(weights_pub)
+                self.samples_consumed += sum(len(g) for g in batch)
+                await progress_pub.publish_and_wait(
+                    LearnerProgress(
+                        run_id=self.topics.run_id,
+                        samples_consumed=self.samples_consumed,
+                        policy_version=self.version,
+                        step=self.step,
+                    ),
+                    key=self.topics.run_id,
+                )
+                await sub.commit_offsets(self._safe_offsets(sub))
+                self._record(stats)
+        finally:
+            self.metrics_file.close()
+            await sub.close()
+            await producer.close()
+
+    # -------------------------------------------------------------- batching
+    def _add(self, d: Delivery[ScoredRollout]) -> None:
+        s = d.message
+        if s.rollout_id in self.trained_ids:
+            self.counters["duplicates_skipped"] += 1
+            self._consumed_records.append(d.record)
+            return
+        task_id = s.rollout.task_id
+        self._groups.setdefault(task_id, {})[s.rollout_id] = d
+        self._first_seen.setdefault(task_id, time.monotonic())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for task_id, first in list(self._first_seen.items()):
+            group = self._groups[task_id]
+            size = next(iter(group.values())).message.rollout.group_size
+            if len(group) < size and now - first > self.group_timeout_s:
+                self.counters["groups_incomplete"] += 1
+                log.warning("learner.group_incomplete", task_id=task_id, have=len(group), want=size)
+                self._consumed_records.extend(d.record for d in group.values())
+                del self._groups[task_id], self._first_seen[task_id]
+
+    def _ready_batch(self) -> list[list[ScoredRollout]] | None:
+        complete = [
+            t for t, g in self._groups.items() if len(g) >= next(iter(g.values())).message.rollout.group_size
+        ]
+        if len(complete) < self.batch_groups:
+            return None
+        complete.sort(key=lambda t: self._first_seen[t])
+        batch = []
+        for task_id in complete[: self.batch_groups]:
+            group = self._groups.pop(task_id)
+            del self._first_seen[task_id]
+            self._consumed_records.extend(d.record for d in group.values())
+            batch.append([d.message for d in group.values()])
+        return batch
+
+    def _safe_offsets(self, sub: Subscriber) -> dict[TopicPartition, int]:
+        """Commit up to the oldest record still pending in a group, per partition."""
+        pending_min: dict[TopicPartition, int] = {}
+        for group in self._groups.values():
+            for d in group.values():
+                tp = d.record.tp
+                pending_min[tp] = min(pending_min.get(tp, d.record.offset), d.record.offset)
+        done_max: dict[TopicPartition, int] = {}
+        for r in self._consumed_records:
+            done_max[r.tp] = max(done_max.get(r.tp, -1), r.offset)
+        self._consumed_records = []
+        out = {}
+        for tp, last in done_max.items():
+            out[tp] = min(last + 1, pending_min.get(tp, last + 1))
+        return out
+
+    # ------------------------------------------------------------- training
+    def _train_step(self, batch: list[list[ScoredRollout]]) -> dict:
+        import torch
+
+        t0 = time.monotonic()
+        prompts, completions, behaviour, advantages, masks = [], [], [], [], []
+        rewards = []
+        step_staleness: Counter[int] = Counter()
+        for group in batch:
+            rewards.extend(s.reward for s in group)
+            kept = []
+            for s in group:
+                lag = self.version - s.rollout.min_policy_version
+                step_staleness[lag] += 1
+                if lag > self.max_lag:
+                    self.counters["samples_stale_dropped"] += 1
+                    continue
+                kept.append(s)
+            if len(kept) < 2:
+                continue
+            adv = group_advantages([s.reward for s in kept], self.loss_cfg.std_normalise)
+            if adv is None:
+                self.counters["groups_zero_variance"] += 1
+                continue
+            for s, a in zip(kept, adv):
+                r = s.rollout
+                prompts.append(r.prompt_token_ids.tolist())
+                completions.append(r.completion_token_ids.tolist())
+                behaviour.append(torch.tensor(r.behaviour_logprobs.tolist()))
+                masks.append(torch.tensor(r.loss_mask.tolist(), dtype=torch.float32))
+                advantages.append(a)
+                self.trained_ids.add(r.rollout_id)
+        self.staleness.update(step_staleness)
+        stats: dict = {"loss": None, "importance_mean": None, "importance_max": None, "clip_fraction": None}
+        tokens = 0
+        if prompts:
+            self.model.train()
+            new = completion_logprobs(self.model, prompts, completions, self.pad_id)
+            loss, st = clipped_pg_loss(new, behaviour, advantages, masks, self.loss_cfg)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            stats.update(st, loss=float(loss.detach()), grad_norm=float(grad_norm))
+            tokens = int(st["tokens"])
+        self.step += 1
+        elapsed = time.monotonic() - t0
+        self.busy_s += elapsed
+        stats.update(
+            reward_mean=sum(rewards) / max(len(rewards), 1),
+            samples=len(rewards),
+            trained_samples=len(prompts),
+            staleness={str(k): v for k, v in sorted(step_staleness.items())},
+            max_staleness=max(step_staleness) if step_staleness else 0,
+            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            step_s=elapsed,
+        )
+        return stats
+
+    async def _publish_weights(self, pub: Publisher[WeightsAnnouncement]) -> None:
+        from safetensors.torch import save
+
+        # Tied tensors (lm_head = embed_tokens) are stored once, as HF checkpoints do.
+        state, seen = {}, set()
+        for name, tensor in self.model.state_dict().items():
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            state[name] = tensor.detach().contiguous()
+        data = await asyncio.to_thread(save, state)
+        key = f"runs/{self.topics.run_id}/weights/v{self.version:06d}/model.safetensors"
+        info = await asyncio.to_thread(self.store.put, key, data)
+        await pub.publish_and_wait(
+            WeightsAnnouncement(
+                run_id=self.topics.run_id, version=self.version, key=key, uri=self.store.uri(key), sha256=info.sha256 or "", step=self.step
+            ),
+            key=self.topics.run_id,
+        )
+        self.published_version, self.published_key = self.version, key
+        old = self.version - self.keep_versions
+        if old >= 1:
+            await asyncio.to_thread(self.store.delete, f"runs/{self.topics.run_id}/weights/v{old:06d}/model.safetensors")
+
+    def _record(self, stats: dict) -> None:
+        row = {"step": self.step, "version": self.version, "wall_s": time.monotonic() - self._started, **stats, **self.counters}
+        self.history.append(row)
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()

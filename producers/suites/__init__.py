@@ -1,0 +1,1 @@
+"""Built-in task suites (written for this project; nothing is downloaded)."""

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.grpo import LossConfig, clipped_pg_loss, group_advantages
+
+
+def test_zero_variance_group_carries_no_signal():
+    assert group_advantages([1.0, 1.0, 1.0]) is None
+    assert group_advantages([0.0] * 8) is None
+
+
+def test_advantages_are_centred_and_normalised():
+    adv = torch.tensor(group_advantages([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert float(adv.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
+    raw = group_advantages([1.0, 0.0], std_normalise=False)
+    assert raw == pytest.approx([0.5, -0.5])
+
+
+def _loss(new: float, old: float, adv: float, cfg=LossConfig()):
+    lp = torch.tensor([new], requires_grad=True)
+    loss, stats = clipped_pg_loss([lp], [torch.tensor([old])], [adv], [torch.ones(1)], cfg)
+    loss.backward()
+    return float(loss), float(lp.grad[0]), stats
+
+
+def test_on_policy_gradient_raises_logprob_of_good_samples():
+    loss, grad, stats = _loss(-1.0, -1.0, adv=1.0)
+    assert loss == pytest.approx(-1.0)
+    assert grad < 0  # minimising the loss increases the logprob
+    assert stats["importance_mean"] == pytest.approx(1.0)
+    _, grad_bad, _ = _loss(-1.0, -1.0, adv=-1.0)
+    assert grad_bad > 0
+
+
+def test_ratio_beyond_clip_high_stops_the_gradient_for_positive_advantage():
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28)
+    _, grad, stats = _loss(-1.0 + 0.5, -1.0, adv=1.0, cfg=cfg)  # ratio e^0.5 = 1.65 > 1.28
+    assert grad == 0.0 and stats["clip_fraction"] == 1.0
+    _, grad_inside, _ = _loss(-1.0 + 0.2, -1.0, adv=1.0, cfg=cfg)  # ratio 1.22 < 1.28
+    assert grad_inside < 0
+
+
+def test_negative_advantage_is_not_clipped_when_ratio_is_high():
+    # PPO keeps the pessimistic (unclipped) term: a bad sample that became likelier is pushed down.
+    _, grad, _ = _loss(-1.0 + 0.5, -1.0, adv=-1.0)
+    assert grad > 0
+
+
+def test_token_and_sequence_aggregation_differ_on_unequal_lengths():
+    new = [torch.zeros(1), torch.zeros(3)]
+    old = [torch.zeros(1), torch.zeros(3)]
+    masks = [torch.ones(1), torch.ones(3)]
+    tok, _ = clipped_pg_loss(new, old, [1.0, -1.0], masks, LossConfig(aggregation="token"))
+    seq, _ = clipped_pg_loss(new, old, [1.0, -1.0], masks, LossConfig(aggregation="sequence"))
+    assert float(tok) == pytest.approx((-1 + 3) / 4)
+    assert float(seq) == pytest.approx(0.0)

@@ -1,0 +1,50 @@
+"""The reference engine's logprobs agree with the learner's recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.grpo import completion_logprobs
+from learner.models import create_tiny_llama
+from producers.suites.pyexpr import ALPHABET
+from rollout_workers.reference_engine import ReferenceEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    create_tiny_llama(d, ALPHABET, seed=3, hidden_size=32, layers=2, heads=2, intermediate_size=64)
+    return ReferenceEngine(d, seed=0)
+
+
+def test_sampled_logprobs_match_the_learners_recomputation(engine):
+    prompts = [engine.encode("a = [1, 2, 3, 4]\nassert a[0] =="), engine.encode("a = [9]\nassert max(a) ==")]
+    groups = engine.generate(prompts, 4, max_new_tokens=6, temperature=1.0)
+    flat_p = [p for p, g in zip(prompts, groups) for _ in g]
+    flat_c = [c for g in groups for c in g]
+    with torch.no_grad():
+        recomputed = completion_logprobs(engine.model, flat_p, [c.token_ids for c in flat_c], engine.tokenizer.pad_token_id)
+    diffs = torch.cat([(r - torch.tensor(c.logprobs)).abs() for r, c in zip(recomputed, flat_c)])
+    assert float(diffs.max()) < 1e-4, f"train/inference logprob mismatch {float(diffs.max())}"
+
+
+def test_groups_stop_at_the_stop_token_and_record_the_version(engine):
+    newline = engine.encode("\n")[0]
+    engine.load_state_dict(engine.model.state_dict(), 7)
+    groups = engine.generate([engine.encode("a = [1]\nassert a[0] ==")], 8, max_new_tokens=4, stop_token_ids={newline})
+    assert len(groups) == 1 and len(groups[0]) == 8
+    for c in groups[0]:
+        assert c.policy_version == 7
+        assert len(c.token_ids) == len(c.logprobs) <= 4
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in (newline, engine.tokenizer.eos_token_id)
+        else:
+            assert len(c.token_ids) == 4
+
+
+def test_greedy_is_deterministic(engine):
+    p = [engine.encode("a = [5, 6]\nassert a[1] ==")]
+    a = engine.generate(p, 2, max_new_tokens=5, greedy=True)[0]
+    b = engine.generate(p, 1, max_new_tokens=5, greedy=True)[0]
+    assert a[0].token_ids == a[1].token_ids == b[0].token_ids
