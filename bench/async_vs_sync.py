@@ -3,7 +3,8 @@
 Runs ``conveyor demo`` twice in this process: ``--sync`` (max_lag 0: generate,
 then score, then train) and asynchronous (max_lag 1: generation, scoring and
 training overlap on the two cores). Both evaluate the held-out greedy pass
-rate every ``--eval-every`` versions. The figure is the lock-step run's wall
+rate every ``--eval-every`` seconds of wall time (the same evaluation cost
+per second in both runs). The figure is the lock-step run's wall
 time to reach the threshold divided by the asynchronous run's.
 
     python bench/async_vs_sync.py [--seed 0] [--budget 150] [--threshold 0.8]
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=float, default=150.0, help="seconds of RL per run")
     parser.add_argument("--threshold", type=float, default=0.8)
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-every", type=float, default=2.0, help="seconds between held-out evaluations")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = parser.parse_args()
 
@@ -41,7 +42,7 @@ def main() -> None:
             seed=args.seed,
             sync=mode == "sync",
             rl_budget_s=args.budget,
-            eval_every=args.eval_every,
+            eval_every_s=args.eval_every,
             target_pass_rate=args.threshold,
             out_dir=args.out,
             run_id=f"bench-{mode}-s{args.seed}",

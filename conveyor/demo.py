@@ -49,7 +49,7 @@ class DemoConfig:
     max_lag: int = 1
     lr: float = 5e-4
     heldout_size: int = 100
-    eval_every: int = 10
+    eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs
     sync: bool = False
     threads_per_role: int = 1
     target_pass_rate: float | None = None  # stop early once held-out reaches it
@@ -160,6 +160,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     }
     started = time.monotonic()
     evaluated_version = 0
+    next_eval = cfg.eval_every_s
     eval_task: asyncio.Task | None = None
     try:
         while True:
@@ -173,8 +174,9 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
                 last = ctx["evals"][-1]["pass_rate"]
                 if cfg.target_pass_rate is not None and last >= cfg.target_pass_rate:
                     break
-            if eval_task is None and learner.published_version >= evaluated_version + cfg.eval_every:
+            if eval_task is None and elapsed >= next_eval and learner.published_version > evaluated_version:
                 evaluated_version = learner.published_version
+                next_eval = elapsed + cfg.eval_every_s
                 eval_task = asyncio.create_task(_evaluate(ctx, learner, started))
             display(ctx, elapsed)
             if elapsed >= cfg.rl_budget_s or (cfg.max_steps is not None and learner.step >= cfg.max_steps):

@@ -43,6 +43,15 @@ from storage.objectstore import ObjectStore
 log = structlog.get_logger(__name__)
 
 
+def _tensor(view: memoryview, dtype):
+    """A packed wire array as a tensor (one copy: the record's buffer is read-only)."""
+    import torch
+
+    if len(view) == 0:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(bytearray(view), dtype=dtype)
+
+
 class GRPOLearner:
     def __init__(
         self,
@@ -215,8 +224,8 @@ class GRPOLearner:
                 r = s.rollout
                 prompts.append(r.prompt_token_ids.tolist())
                 completions.append(r.completion_token_ids.tolist())
-                behaviour.append(torch.tensor(r.behaviour_logprobs.tolist()))
-                masks.append(torch.tensor(r.loss_mask.tolist(), dtype=torch.float32))
+                behaviour.append(_tensor(r.behaviour_logprobs, torch.float32))
+                masks.append(_tensor(r.loss_mask, torch.uint8).float())
                 advantages.append(a)
                 self.trained_ids.add(r.rollout_id)
         self.staleness.update(step_staleness)

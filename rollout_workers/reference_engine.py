@@ -81,31 +81,26 @@ class ReferenceEngine:
         for i, r in enumerate(rows):
             ids[i, width - len(r):] = torch.tensor(r)
             mask[i, width - len(r):] = 1
-        with self._lock, torch.no_grad():
+        with self._lock, torch.inference_mode():
             version = self.version
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             cache = getattr(out, self._cache_kw)
             logits = out.logits[:, -1, :]
             next_pos = positions[:, -1:] + 1
-            tokens: list[list[int]] = [[] for _ in rows]
-            logps: list[list[float]] = [[] for _ in rows]
+            steps_tokens: list[torch.Tensor] = []
+            steps_logps: list[torch.Tensor] = []
             done = torch.zeros(len(rows), dtype=torch.bool)
-            stopped = torch.zeros(len(rows), dtype=torch.bool)
+            stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
             for _ in range(max_new_tokens):
                 logprobs = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
                 if greedy:
                     choice = logprobs.argmax(-1)
                 else:
                     choice = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(-1)
-                chosen_lp = logprobs.gather(-1, choice[:, None]).squeeze(-1)
-                for i in torch.nonzero(~done).flatten().tolist():
-                    t = int(choice[i])
-                    tokens[i].append(t)
-                    logps[i].append(float(chosen_lp[i]))
-                    if t in stop:
-                        done[i] = True
-                        stopped[i] = True
+                steps_tokens.append(choice)
+                steps_logps.append(logprobs.gather(-1, choice[:, None]).squeeze(-1))
+                done |= torch.isin(choice, stop_ids)
                 if bool(done.all()):
                     break
                 mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
@@ -119,7 +114,19 @@ class ReferenceEngine:
                 cache = getattr(out, self._cache_kw)
                 logits = out.logits[:, -1, :]
                 next_pos = next_pos + 1
+        # Cut each row after its first stop token (rows that finished early
+        # kept sampling in the batch; those tokens are discarded).
+        all_tokens = torch.stack(steps_tokens, dim=1)
+        all_logps = torch.stack(steps_logps, dim=1)
+        is_stop = torch.isin(all_tokens, stop_ids)
+        first_stop = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.full((len(rows),), all_tokens.shape[1]))
+        token_rows = all_tokens.tolist()
+        logp_rows = all_logps.tolist()
+        lengths = first_stop.tolist()
+        stopped = is_stop.any(1).tolist()
+        tokens = [token_rows[i][: lengths[i]] for i in range(len(rows))]
+        logps = [logp_rows[i][: lengths[i]] for i in range(len(rows))]
         completions = [
-            Completion(tokens[i], logps[i], "stop" if bool(stopped[i]) else "length", version) for i in range(len(rows))
+            Completion(tokens[i], logps[i], "stop" if stopped[i] else "length", version) for i in range(len(rows))
         ]
         return [completions[k * n:(k + 1) * n] for k in range(len(prompts))]

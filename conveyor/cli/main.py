@@ -88,7 +88,7 @@ def demo(
     warmup_steps: int = typer.Option(800, help="Supervised warm-up steps."),
     max_lag: int = typer.Option(1, help="Policy versions a sample may lag the learner."),
     target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
-    eval_every: int = typer.Option(10, help="Evaluate held-out pass rate every N versions."),
+    eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds."),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
     """Run the whole pipeline in one process and watch a policy learn."""
@@ -96,7 +96,7 @@ def demo(
 
     cfg = DemoConfig(
         seed=seed, engine=engine, sync=sync, rl_budget_s=budget, max_steps=max_steps, warmup_steps=warmup_steps,
-        max_lag=max_lag, target_pass_rate=target, eval_every=eval_every, out_dir=out,
+        max_lag=max_lag, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
     )
     display = make_display(sys.stderr.isatty())
     try:

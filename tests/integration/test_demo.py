@@ -24,7 +24,7 @@ def demo(tmp_path_factory):
         warmup_steps=500,
         rl_budget_s=600,
         max_steps=60,
-        eval_every=20,
+        eval_every_s=10.0,
         heldout_size=60,
     )
     return run_demo(cfg)
