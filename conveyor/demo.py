@@ -206,13 +206,21 @@ async def _evaluate(ctx: dict, learner, started: float) -> dict:
     store), never the learner's weights while a step may be updating them."""
     from safetensors.torch import load
 
-    version, key = learner.published_version, learner.published_key
+    from storage.objectstore import ObjectNotFound
 
-    def work() -> float:
-        ctx["eval_engine"].load_state_dict(load(ctx["store"].get(key)), version)
-        return ctx["evaluator"].pass_rate()
+    def work() -> tuple[int, float]:
+        for _ in range(10):
+            # The learner prunes old versions; if ours went, take the newest.
+            version, key = learner.published_version, learner.published_key
+            try:
+                state = load(ctx["store"].get(key))
+            except ObjectNotFound:
+                continue
+            ctx["eval_engine"].load_state_dict(state, version)
+            return version, ctx["evaluator"].pass_rate()
+        raise RuntimeError("could not read any published weights version for evaluation")
 
-    rate = await asyncio.to_thread(work)
+    version, rate = await asyncio.to_thread(work)
     return {"version": version, "wall_s": time.monotonic() - started, "pass_rate": rate}
 
 

@@ -7,10 +7,12 @@ Each prompt is the start of a program over a small list, e.g.::
 
 and the completion must end the last line (`` 9`` then a newline). The reward
 comes from *executing* ``prompt + completion`` in the sandbox: exit status 0
-is a pass. Expressions: indexing (``a[0]``..``a[3]``, ``a[-1]``), ``max``,
-``min``, and the sum of two elements; they need lookup and comparison, which
-a small transformer can learn, and the space of lists is large enough that
-the held-out split tests generalisation, not memory.
+is a pass. Expressions: indexing (``a[0]``..``a[3]``, ``a[-1]``), ``max``
+and ``min``; they need lookup and comparison, which a small transformer can
+learn, and the space of lists is large enough that the held-out split tests
+generalisation, not memory. (Sums of two elements were in the first
+version; a 335k-parameter model's arithmetic capped the held-out pass rate
+near 0.85 on some seeds.)
 
 The verifier accepts only an integer literal as the completion (a format
 check before execution): otherwise ``max(a)`` itself, copied from the
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from conveyor.contracts import SamplingParams, Task, VerifierSpec
 
-EXPRESSIONS = ("a[0]", "a[1]", "a[2]", "a[3]", "a[-1]", "max(a)", "min(a)", "a[0] + a[1]", "a[1] + a[2]")
+EXPRESSIONS = ("a[0]", "a[1]", "a[2]", "a[3]", "a[-1]", "max(a)", "min(a)")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,6 @@ TEACHER_CONFUSIONS = {
     "max(a)": "min(a)",
     "a[-1]": "a[0]",
     "a[2]": "a[1]",
-    "a[1] + a[2]": "a[0] + a[1]",
 }
 
 
