@@ -183,8 +183,11 @@ def s3_component(ports: StackPorts, data_dir: Path) -> Component:
             f"-filer.port.grpc={ports.s3_filer_grpc}",
             "-s3.port.iceberg=0",  # on by default (8181): would collide between stacks
             "-s3.port.lance=0",  # likewise (9101)
-            "-volume.max=5",
-            "-master.volumeSizeLimitMB=1024",
+            # Each bucket is a collection that needs writable volumes of its own;
+            # with too few, PutObject fails with 500 "no free volumes left".
+            # Volumes are sparse files that grow on demand, so many are cheap.
+            "-volume.max=64",
+            "-master.volumeSizeLimitMB=256",
         ],
         ports=[
             ports.s3,
