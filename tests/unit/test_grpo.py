@@ -23,7 +23,7 @@ def _loss(new: float, old: float, adv: float, cfg=LossConfig()):
     lp = torch.tensor([new], requires_grad=True)
     loss, stats = clipped_pg_loss([lp], [torch.tensor([old])], [adv], [torch.ones(1)], cfg)
     loss.backward()
-    return float(loss), float(lp.grad[0]), stats
+    return loss.item(), float(lp.grad[0]), stats
 
 
 def test_on_policy_gradient_raises_logprob_of_good_samples():

@@ -1,0 +1,94 @@
+"""The learner's batching and offset rules, without training."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.contracts import Rollout, ScoredRollout, Task, VersionSegment, rollout_id
+from conveyor.messaging import Delivery
+from conveyor.topics import Topics
+from conveyor.transport.base import Record, TopicPartition
+from conveyor.transport.memory import MemoryTransport
+from learner.recipe import GRPOLearner
+from rollout_workers.worker import RolloutWorker
+from storage.objectstore import LocalObjectStore
+
+
+def scored(task_id: str, i: int, group_size: int = 2, version: int = 0) -> ScoredRollout:
+    return ScoredRollout(
+        rollout=Rollout(
+            rollout_id=rollout_id(task_id, i),
+            task_id=task_id,
+            run_id="r",
+            sample_index=i,
+            group_size=group_size,
+            prompt_token_ids=[1],
+            completion_token_ids=[2],
+            behaviour_logprobs=[-0.1],
+            loss_mask=[1],
+            version_segments=[VersionSegment(start=0, end=1, policy_version=version)],
+            task=Task(task_id=task_id, run_id="r", prompt="p", group_size=group_size),
+        ),
+        reward=float(i % 2),
+        verdict="pass" if i % 2 else "fail",
+    )
+
+
+def delivery(s: ScoredRollout, partition: int, offset: int) -> Delivery:
+    return Delivery(s, Record("scored", partition, offset, s.rollout.task_id.encode(), b"", 0))
+
+
+def learner(tmp_path, **kw) -> GRPOLearner:
+    return GRPOLearner(
+        MemoryTransport(), Topics("r"), torch.nn.Linear(2, 2), 0, LocalObjectStore(tmp_path), run_dir=tmp_path, **kw
+    )
+
+
+def test_batches_hold_only_complete_groups(tmp_path):
+    lrn = learner(tmp_path, batch_groups=2)
+    lrn._add(delivery(scored("a", 0), 0, 0))
+    lrn._add(delivery(scored("b", 0), 0, 1))
+    lrn._add(delivery(scored("a", 1), 0, 2))
+    assert lrn._ready_batch() is None  # only group a is complete
+    lrn._add(delivery(scored("b", 1), 0, 3))
+    batch = lrn._ready_batch()
+    assert [sorted(s.rollout.sample_index for s in g) for g in batch] == [[0, 1], [0, 1]]
+
+
+def test_commit_stops_at_the_oldest_record_of_a_pending_group(tmp_path):
+    lrn = learner(tmp_path, batch_groups=1)
+    lrn._add(delivery(scored("a", 0), 0, 10))
+    lrn._add(delivery(scored("b", 0), 0, 11))  # b stays incomplete
+    lrn._add(delivery(scored("a", 1), 0, 12))
+    assert lrn._ready_batch() is not None
+    # a (offsets 10, 12) is done, b's member at 11 is pending: commit up to 11, never past it.
+    assert lrn._safe_offsets(None) == {TopicPartition("scored", 0): 11}
+
+
+def test_incomplete_groups_time_out_and_are_counted(tmp_path):
+    lrn = learner(tmp_path, batch_groups=1, group_timeout_s=0.0)
+    lrn._add(delivery(scored("lost", 0, group_size=4), 1, 5))
+    lrn._expire()
+    assert lrn.counters["groups_incomplete"] == 1
+    assert lrn._safe_offsets(None) == {TopicPartition("scored", 1): 6}
+
+
+def test_stale_samples_are_dropped_and_zero_variance_groups_filtered(tmp_path):
+    lrn = learner(tmp_path, max_lag=1)
+    lrn.version = 3
+    stale = [scored("old", 0, version=1), scored("old", 1, version=1)]  # lag 2 > max_lag
+    flat = [ScoredRollout(rollout=scored("flat", i, version=3).rollout, reward=1.0, verdict="pass") for i in range(2)]
+    stats = lrn._train_step([stale, flat])
+    assert lrn.counters["samples_stale_dropped"] == 2
+    assert lrn.counters["groups_zero_variance"] == 1
+    assert stats["trained_samples"] == 0
+    assert stats["staleness"] == {"0": 2, "2": 2} and stats["max_staleness"] == 2
+
+
+def test_rollout_worker_admission_bound(tmp_path):
+    worker = RolloutWorker(MemoryTransport(), Topics("r"), engine=None, store=None, learner_batch_samples=128, max_lag=1)
+    assert worker.admitted(128)
+    worker.generated = 256
+    assert not worker.admitted(128)  # would be 384 - 0 > 256
+    worker.consumed = 128
+    assert worker.admitted(128)
