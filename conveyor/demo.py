@@ -25,7 +25,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import structlog
@@ -53,7 +53,6 @@ class DemoConfig:
     sync: bool = False
     threads_per_role: int = 1
     target_pass_rate: float | None = None  # stop early once held-out reaches it
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -226,6 +225,7 @@ async def _evaluate(ctx: dict, learner, started: float) -> dict:
 
 def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from learner.models import create_tiny_llama
@@ -233,8 +233,6 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     from reward.sandbox import PythonSandbox
     from rollout_workers.reference_engine import ReferenceEngine
     from storage.objectstore import LocalObjectStore
-
-    import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
