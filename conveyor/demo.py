@@ -72,24 +72,24 @@ class DemoResult:
 
 
 class Evaluator:
-    """Greedy held-out pass rate of a policy version, scored in the sandbox."""
+    """Greedy held-out pass rate of a policy version, judged by the reward
+    service's own verifier (format check, then execution in the sandbox)."""
 
-    def __init__(self, engine, sandbox, problems) -> None:
+    def __init__(self, engine, sandbox, tasks) -> None:
         self.engine = engine
         self.sandbox = sandbox
-        self.problems = problems
+        self.tasks = tasks
+        self.prompts = [engine.encode(t.prompt) for t in tasks]  # encoded once, reused every evaluation
+        self.max_tokens = tasks[0].sampling.max_tokens
         self.newline = engine.encode("\n")[0]
 
     def pass_rate(self) -> float:
-        from reward.verifiers import _INT_LITERAL
+        from reward.verifiers import program_of
 
-        outs = self.engine.generate(
-            [self.engine.encode(p.prompt) for p in self.problems], 1, max_new_tokens=5, stop_token_ids={self.newline}, greedy=True
-        )
-        texts = [self.engine.decode(o[0].token_ids) for o in outs]
-        programs = [p.prompt + t for p, t in zip(self.problems, texts) if _INT_LITERAL.match(t)]
-        passed = sum(r.verdict == "pass" for r in self.sandbox.run_batch(programs))
-        return passed / len(self.problems)
+        outs = self.engine.generate(self.prompts, 1, max_new_tokens=self.max_tokens, stop_token_ids={self.newline}, greedy=True)
+        programs = [program_of(t, self.engine.decode(o[0].token_ids)) for t, o in zip(self.tasks, outs)]
+        passed = sum(r.verdict == "pass" for r in self.sandbox.run_batch([p for p in programs if p is not None]))
+        return passed / len(self.tasks)
 
 
 def _warmup(model, tokenizer, cfg: DemoConfig, rng: random.Random) -> float:
@@ -229,7 +229,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     from transformers import AutoModelForCausalLM
 
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET, heldout_set
+    from producers.suites.pyexpr import ALPHABET, heldout_set, to_task
     from reward.sandbox import PythonSandbox
     from rollout_workers.reference_engine import ReferenceEngine
     from storage.objectstore import LocalObjectStore
@@ -260,7 +260,8 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     sandbox = PythonSandbox(timeout_s=1.0)
     engine = ReferenceEngine(model_dir, seed=cfg.seed)
     eval_engine = ReferenceEngine(model_dir, seed=cfg.seed)
-    evaluator = Evaluator(eval_engine, sandbox, heldout_set(cfg.heldout_size))
+    heldout = [to_task(p, run_id, 1, i, "heldout") for i, p in enumerate(heldout_set(cfg.heldout_size))]
+    evaluator = Evaluator(eval_engine, sandbox, heldout)
     start_rate = evaluator.pass_rate()
 
     learner_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -218,3 +218,42 @@ class Subscriber(Generic[M]):
 
     async def close(self) -> None:
         await self.consumer.close()
+
+
+class ServiceClients:
+    """A service's producer, dead-letter sink and subscribers, opened and closed together.
+
+    Every service needs the same wiring: one producer (for its own output and
+    for dead letters), a dead-letter sink naming the service, and one or more
+    subscribers. Use it as an async context manager::
+
+        async with ServiceClients(transport, topics.dead_letter, "reward-bridge") as io:
+            out = io.publisher(topics.scored)
+            rollouts = await io.subscribe([topics.rollouts], "reward-bridge", Rollout)
+    """
+
+    def __init__(self, transport: Transport, dead_letter_topic: str, service: str) -> None:
+        self.transport = transport
+        self.dead_letter_topic = dead_letter_topic
+        self.service = service
+        self.producer: Producer = transport.producer()
+        self._subscribers: list[Subscriber] = []
+
+    async def __aenter__(self) -> "ServiceClients":
+        await self.producer.start()
+        self.dead_letters = DeadLetterSink(self.producer, self.dead_letter_topic, self.service)
+        return self
+
+    def publisher(self, topic: str, **kwargs) -> Publisher:
+        return Publisher(self.producer, topic, **kwargs)
+
+    async def subscribe(self, topics: Sequence[str], group_id: str, message_type: type[M], **kwargs) -> Subscriber[M]:
+        sub = Subscriber(self.transport, topics, group_id, message_type, dead_letters=self.dead_letters, **kwargs)
+        await sub.start()
+        self._subscribers.append(sub)
+        return sub
+
+    async def __aexit__(self, *exc) -> None:
+        for sub in self._subscribers:
+            await sub.close()
+        await self.producer.close()

@@ -34,7 +34,7 @@ from pathlib import Path
 import structlog
 
 from conveyor.contracts import LearnerProgress, ScoredRollout, WeightsAnnouncement
-from conveyor.messaging import DeadLetterSink, Delivery, Publisher, Subscriber
+from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import TopicPartition, Transport
 from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs, group_advantages
@@ -102,46 +102,36 @@ class GRPOLearner:
 
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
-        producer = self.transport.producer()
-        await producer.start()
-        weights_pub: Publisher[WeightsAnnouncement] = Publisher(producer, self.topics.weights)
-        progress_pub: Publisher[LearnerProgress] = Publisher(producer, self.topics.progress)
-        sub = Subscriber(
-            self.transport,
-            [self.topics.scored],
-            self.group_id,
-            ScoredRollout,
-            dead_letters=DeadLetterSink(producer, self.topics.dead_letter, "learner"),
-        )
-        await sub.start()
-        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        try:
-            while not stop.is_set():
-                for d in await sub.poll(timeout_s=0.2, max_records=1024):
-                    self._add(d)
-                self._expire()
-                batch = self._ready_batch()
-                if batch is None:
-                    continue
-                stats = await asyncio.to_thread(self._train_step, batch)
-                self.version += 1
-                await self._publish_weights(weights_pub)
-                self.samples_consumed += sum(len(g) for g in batch)
-                await progress_pub.publish_and_wait(
-                    LearnerProgress(
-                        run_id=self.topics.run_id,
-                        samples_consumed=self.samples_consumed,
-                        policy_version=self.version,
-                        step=self.step,
-                    ),
-                    key=self.topics.run_id,
-                )
-                await sub.commit_offsets(self._safe_offsets(sub))
-                self._record(stats)
-        finally:
-            self.metrics_file.close()
-            await sub.close()
-            await producer.close()
+        async with ServiceClients(self.transport, self.topics.dead_letter, "learner") as io:
+            weights_pub: Publisher[WeightsAnnouncement] = io.publisher(self.topics.weights)
+            progress_pub: Publisher[LearnerProgress] = io.publisher(self.topics.progress)
+            sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
+            with (self.run_dir / "metrics.jsonl").open("a") as self.metrics_file:
+                await self._loop(stop, sub, weights_pub, progress_pub)
+
+    async def _loop(self, stop: asyncio.Event, sub: Subscriber, weights_pub: Publisher, progress_pub: Publisher) -> None:
+        while not stop.is_set():
+            for d in await sub.poll(timeout_s=0.2, max_records=1024):
+                self._add(d)
+            self._expire()
+            batch = self._ready_batch()
+            if batch is None:
+                continue
+            stats = await asyncio.to_thread(self._train_step, batch)
+            self.version += 1
+            await self._publish_weights(weights_pub)
+            self.samples_consumed += sum(len(g) for g in batch)
+            await progress_pub.publish_and_wait(
+                LearnerProgress(
+                    run_id=self.topics.run_id,
+                    samples_consumed=self.samples_consumed,
+                    policy_version=self.version,
+                    step=self.step,
+                ),
+                key=self.topics.run_id,
+            )
+            await sub.commit_offsets(self._safe_offsets())
+            self._record(stats)
 
     # -------------------------------------------------------------- batching
     def _add(self, d: Delivery[ScoredRollout]) -> None:
@@ -180,7 +170,7 @@ class GRPOLearner:
             batch.append([d.message for d in group.values()])
         return batch
 
-    def _safe_offsets(self, sub: Subscriber) -> dict[TopicPartition, int]:
+    def _safe_offsets(self) -> dict[TopicPartition, int]:
         """Commit up to the oldest record still pending in a group, per partition."""
         pending_min: dict[TopicPartition, int] = {}
         for group in self._groups.values():

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 
 from conveyor.contracts import LearnerProgress, Task
-from conveyor.messaging import DeadLetterSink, Publisher, Subscriber
+from conveyor.messaging import Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 
@@ -43,18 +43,9 @@ class TaskProducer:
         return (self.max_lag + 2) * self.learner_batch_samples - (self.published_samples - self.consumed_samples)
 
     async def run(self, stop: asyncio.Event) -> None:
-        producer = self.transport.producer()
-        await producer.start()
-        pub: Publisher[Task] = Publisher(producer, self.topics.tasks)
-        progress = Subscriber(
-            self.transport,
-            [self.topics.progress],
-            f"producer-progress-{uuid.uuid4().hex[:8]}",
-            LearnerProgress,
-            dead_letters=DeadLetterSink(producer, self.topics.dead_letter, "producer"),
-        )
-        await progress.start()
-        try:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "producer") as io:
+            pub: Publisher[Task] = io.publisher(self.topics.tasks)
+            progress = await io.subscribe([self.topics.progress], f"producer-progress-{uuid.uuid4().hex[:8]}", LearnerProgress)
             while not stop.is_set():
                 for d in await progress.poll(timeout_s=0.1, max_records=1000):
                     self.consumed_samples = max(self.consumed_samples, d.message.samples_consumed)
@@ -65,6 +56,3 @@ class TaskProducer:
                     await pub.publish_and_wait(task, key=task.task_id)
                     self.published_samples += task.group_size
                     self.published_tasks += 1
-        finally:
-            await progress.close()
-            await producer.close()

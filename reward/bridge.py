@@ -14,12 +14,13 @@ Celery executors of issue #4 replace that with queued tasks.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 
 import structlog
 
 from conveyor.contracts import Rollout, ScoredRollout
-from conveyor.messaging import DeadLetterSink, Publisher, Subscriber
+from conveyor.messaging import Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 from reward.sandbox import PythonSandbox
@@ -52,18 +53,9 @@ class RewardBridge:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Score until ``stop`` is set and nothing more is waiting."""
-        producer = self.transport.producer()
-        await producer.start()
-        publisher: Publisher[ScoredRollout] = Publisher(producer, self.topics.scored)
-        sub = Subscriber(
-            self.transport,
-            [self.topics.rollouts],
-            self.group_id,
-            Rollout,
-            dead_letters=DeadLetterSink(producer, self.topics.dead_letter, "reward-bridge"),
-        )
-        await sub.start()
-        try:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "reward-bridge") as io:
+            publisher: Publisher[ScoredRollout] = io.publisher(self.topics.scored)
+            sub = await io.subscribe([self.topics.rollouts], self.group_id, Rollout)
             while True:
                 stopping = stop.is_set()
                 deliveries = await sub.poll(timeout_s=0.2, max_records=self.max_batch)
@@ -79,9 +71,6 @@ class RewardBridge:
                     self._remember(s.rollout_id)
                 await sub.commit(deliveries)
                 self.scored += len(scored)
-        finally:
-            await sub.close()
-            await producer.close()
 
     def _remember(self, rollout_id: str) -> None:
         self._seen[rollout_id] = None
@@ -89,8 +78,6 @@ class RewardBridge:
             self._seen.popitem(last=False)
 
     def _score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
-        import time
-
         start = time.monotonic()
         texts = [self.decode_text(r.completion_token_ids.tolist()) for r in rollouts]
         programs = [program_of(r.task, t) if r.task else None for r, t in zip(rollouts, texts)]
@@ -98,12 +85,11 @@ class RewardBridge:
         results = iter(self.sandbox.run_batch(runnable))
         self.executions += len(set(runnable))
         out = []
-        for r, program in zip(rollouts, programs):
-            result = next(results) if program is not None else None
-            v = judge(r.task, texts[len(out)], result) if r.task else None
-            if v is None:
+        for r, text, program in zip(rollouts, texts, programs):
+            if r.task is None:  # nothing says how to verify it
                 out.append(ScoredRollout(rollout=r, reward=0.0, verdict="error"))
                 continue
+            v = judge(r.task, text, next(results) if program is not None else None)
             out.append(ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback))  # type: ignore[arg-type]
         self.busy_s += time.monotonic() - start
         return out

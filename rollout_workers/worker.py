@@ -30,7 +30,7 @@ from conveyor.contracts import (
     WeightsAnnouncement,
     rollout_id,
 )
-from conveyor.messaging import DeadLetterSink, Publisher, Subscriber
+from conveyor.messaging import Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 from storage.objectstore import ObjectStore
@@ -71,18 +71,13 @@ class RolloutWorker:
         return self.generated + batch_samples - self.consumed <= (self.max_lag + 1) * self.learner_batch_samples
 
     async def run(self, stop: asyncio.Event) -> None:
-        producer = self.transport.producer()
-        await producer.start()
-        dl = DeadLetterSink(producer, self.topics.dead_letter, "rollout-worker")
-        tasks = Subscriber(self.transport, [self.topics.tasks], self.group_id, Task, dead_letters=dl)
-        # Every worker sees every announcement and progress report: a group of its own.
-        weights = Subscriber(self.transport, [self.topics.weights], f"rw-weights-{self.worker_id}", WeightsAnnouncement, dead_letters=dl)
-        progress = Subscriber(self.transport, [self.topics.progress], f"rw-progress-{self.worker_id}", LearnerProgress, dead_letters=dl)
-        publisher: Publisher[Rollout] = Publisher(producer, self.topics.rollouts)
-        for sub in (tasks, weights, progress):
-            await sub.start()
-        pending: list = []
-        try:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "rollout-worker") as io:
+            publisher: Publisher[Rollout] = io.publisher(self.topics.rollouts)
+            tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
+            # Every worker sees every announcement and progress report: a group of its own.
+            weights = await io.subscribe([self.topics.weights], f"rw-weights-{self.worker_id}", WeightsAnnouncement)
+            progress = await io.subscribe([self.topics.progress], f"rw-progress-{self.worker_id}", LearnerProgress)
+            pending: list = []
             while not stop.is_set():
                 await self._follow(weights, progress)
                 if not pending:
@@ -99,10 +94,6 @@ class RolloutWorker:
                 await tasks.commit(pending)
                 self.generated += len(rollouts)
                 pending = []
-        finally:
-            for sub in (tasks, weights, progress):
-                await sub.close()
-            await producer.close()
 
     async def _follow(self, weights: Subscriber, progress: Subscriber) -> None:
         for d in await progress.poll(timeout_s=0, max_records=1000):

@@ -19,7 +19,7 @@ import time
 import structlog
 
 from conveyor.contracts import ScoredRollout
-from conveyor.messaging import DeadLetterSink, Subscriber
+from conveyor.messaging import ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 from storage.objectstore import ObjectStore
@@ -75,19 +75,10 @@ class StorageSink:
         self.objects: list[str] = []
 
     async def run(self, stop: asyncio.Event) -> None:
-        producer = self.transport.producer()
-        await producer.start()
-        sub = Subscriber(
-            self.transport,
-            [self.topics.scored],
-            self.group_id,
-            ScoredRollout,
-            dead_letters=DeadLetterSink(producer, self.topics.dead_letter, "storage-sink"),
-        )
-        await sub.start()
-        buffer = []
-        oldest = time.monotonic()
-        try:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "storage-sink") as io:
+            sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
+            buffer = []
+            oldest = time.monotonic()
             while True:
                 stopping = stop.is_set()
                 got = await sub.poll(timeout_s=0.2, max_records=1024)
@@ -101,13 +92,10 @@ class StorageSink:
                     buffer = []
                 if stopping and not got and not buffer:
                     return
-        finally:
-            await sub.close()
-            await producer.close()
 
     async def _flush(self, rows: list[ScoredRollout]) -> None:
-        # Deduplicate within the batch (redelivery), keep the first occurrence.
-        unique = list({r.rollout_id: r for r in reversed(rows)}.values())[::-1]
+        # One row per rollout id (a redelivered rollout is the same rollout).
+        unique = {r.rollout_id: r for r in rows}.values()
         by_version: dict[int, list[ScoredRollout]] = {}
         for r in unique:
             by_version.setdefault(r.rollout.min_policy_version, []).append(r)

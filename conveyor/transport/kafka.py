@@ -65,6 +65,7 @@ class KafkaProducer:
         self._producer: Any = None
         self._in_flight_bytes = 0
         self._space = asyncio.Event()
+        self._resends: set[asyncio.Task] = set()
 
     def _make(self):
         from aiokafka import AIOKafkaProducer
@@ -102,15 +103,11 @@ class KafkaProducer:
         self._in_flight_bytes += size
         hdrs = list(headers) or None
         try:
-            try:
-                inner = await self._producer.send(topic, value=value, key=key, headers=hdrs)
-            except Exception as exc:  # noqa: BLE001 - the slow path decides what is retriable
-                log.warning("kafka.send_retry", topic=topic, error=str(exc))
-                inner = await _retry(
-                    "producer.send",
-                    lambda: self._producer.send(topic, value=value, key=key, headers=hdrs),
-                    self.cfg.connect_deadline_s,
-                )
+            inner = await _retry(
+                "producer.send",
+                lambda: self._producer.send(topic, value=value, key=key, headers=hdrs),
+                self.cfg.connect_deadline_s,
+            )
         except BaseException:
             self._release(size)
             raise
@@ -130,7 +127,9 @@ class KafkaProducer:
                 if not outer.done():
                     outer.set_result(SendResult(md.topic, md.partition, md.offset))
                 return
-            asyncio.ensure_future(self._resend(outer, exc, size, topic, value, key, hdrs))
+            task = asyncio.ensure_future(self._resend(outer, exc, size, topic, value, key, hdrs))
+            self._resends.add(task)  # keep a reference until it finishes
+            task.add_done_callback(self._resends.discard)
 
         inner.add_done_callback(delivered)
         return outer

@@ -62,7 +62,7 @@ def test_commit_stops_at_the_oldest_record_of_a_pending_group(tmp_path):
     lrn._add(delivery(scored("a", 1), 0, 12))
     assert lrn._ready_batch() is not None
     # a (offsets 10, 12) is done, b's member at 11 is pending: commit up to 11, never past it.
-    assert lrn._safe_offsets(None) == {TopicPartition("scored", 0): 11}
+    assert lrn._safe_offsets() == {TopicPartition("scored", 0): 11}
 
 
 def test_incomplete_groups_time_out_and_are_counted(tmp_path):
@@ -70,7 +70,7 @@ def test_incomplete_groups_time_out_and_are_counted(tmp_path):
     lrn._add(delivery(scored("lost", 0, group_size=4), 1, 5))
     lrn._expire()
     assert lrn.counters["groups_incomplete"] == 1
-    assert lrn._safe_offsets(None) == {TopicPartition("scored", 1): 6}
+    assert lrn._safe_offsets() == {TopicPartition("scored", 1): 6}
 
 
 def test_stale_samples_are_dropped_and_zero_variance_groups_filtered(tmp_path):
