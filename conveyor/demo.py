@@ -230,7 +230,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
 
     from learner.models import create_tiny_llama
     from producers.suites.pyexpr import ALPHABET, heldout_set, to_task
-    from reward.sandbox import PythonSandbox
+    from reward.sandbox import Sandbox, SandboxLimits
     from rollout_workers.reference_engine import ReferenceEngine
     from storage.objectstore import LocalObjectStore
 
@@ -257,7 +257,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     model.save_pretrained(model_dir)
     log.info("demo.warmup_done", loss=round(warm_loss, 4), seconds=round(time.monotonic() - t0, 1))
 
-    sandbox = PythonSandbox(timeout_s=1.0)
+    sandbox = Sandbox(SandboxLimits(timeout_s=1.0))
     engine = ReferenceEngine(model_dir, seed=cfg.seed)
     eval_engine = ReferenceEngine(model_dir, seed=cfg.seed)
     heldout = [to_task(p, run_id, 1, i, "heldout") for i, p in enumerate(heldout_set(cfg.heldout_size))]

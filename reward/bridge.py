@@ -23,7 +23,7 @@ from conveyor.contracts import Rollout, ScoredRollout
 from conveyor.messaging import Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
-from reward.sandbox import PythonSandbox
+from reward.sandbox import Sandbox
 from reward.verifiers import judge, program_of
 
 log = structlog.get_logger(__name__)
@@ -34,7 +34,7 @@ class RewardBridge:
         self,
         transport: Transport,
         topics: Topics,
-        sandbox: PythonSandbox,
+        sandbox: Sandbox,
         decode_text,
         *,
         group_id: str = "reward-bridge",

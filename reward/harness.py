@@ -1,91 +1,307 @@
-"""Runs inside the sandbox: executes a batch of Python programs, one forked
-child each, and prints one JSON result per program.
+"""Runs inside the bubblewrap sandbox: a fork server that executes a batch of
+jobs, each in namespaces of its own, and prints one JSON result per job.
 
-Standard library only (it runs on the system interpreter inside bubblewrap,
-where the project's environment is not mounted). Input on stdin::
+Standard library only: it runs on the system interpreter inside bubblewrap,
+where the project's environment is not mounted. Request on stdin::
 
-    {"programs": ["print(1)", ...], "timeout_s": 2.0, "memory_mb": 256,
-     "max_output_bytes": 4096, "parallel": 2}
+    {"jobs": [{"kind": "python", "source": "...", "tests": null | {"name": "...",
+               "style": "assert" | "functions"}, "cwd": "/w" | "/workspace"},
+              {"kind": "command", "argv": ["/bin/sh", "-c", "..."], "cwd": ...}],
+     "limits": {"timeout_s": 2.0, "memory_mb": 256, "max_output_bytes": 4096,
+                "tmp_mb": 16, "nproc": 64, "file_mb": 4, "open_files": 64},
+     "parallel": 2}
 
-At most ``parallel`` children run at once. Each child gets its own session (so a timeout kills its whole process
-group), rlimits (address space, CPU, file size, open files, processes), an
-empty working directory, and its stdout/stderr captured and capped.
+Per job, three processes::
+
+    harness ── relay R (unshare mount/pid/ipc namespaces)
+                  └── supervisor S  (pid 1 of the new pid namespace)
+                         └── model process M (pid 2): no capabilities,
+                             no_new_privs, not dumpable, seccomp, rlimits
+
+S mounts a private, size-limited tmpfs working directory (or uses the
+workspace overlay bwrap mounted), hides ``/proc``, and — for jobs with tests
+— bind-mounts the job's tests read-only at ``/tests`` only after M reports
+that the solution's own code has finished. When S exits (M done, or the
+harness SIGKILLs R on a timeout, which kills S through PDEATHSIG) the kernel
+kills every process left in the namespace: no daemon survives its job.
+Jobs of one batch share nothing but the harness's (read-only) code.
 """
 
+import ast
+import ctypes
 import json
 import os
 import resource
 import select
 import signal
 import sys
-import tempfile
 import time
 import traceback
 
+LIBC = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x08000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_CAPBSET_DROP = 1, 4, 22, 24
+PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+SECCOMP_MODE_FILTER = 2
+MEMORY_EXIT = 137  # M's exit code after a MemoryError
+SOLUTION = "solution.py"
 
-def _limits(timeout_s, memory_mb):
-    mem = memory_mb * 1024 * 1024
+JOBS = {}  # the batch; cleared in every model process before it runs model code
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+def _ok(rc, what):
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def _mount(src, dst, fstype, flags, data=None):
+    _ok(LIBC.mount(src, dst, fstype, flags, data), "mount %s" % dst.decode())
+
+
+# --------------------------------------------------------------------------
+# the model process
+
+
+def _limits(lim):
+    mem = int(lim["memory_mb"]) << 20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    cpu = int(timeout_s) + 1
+    cpu = int(float(lim["timeout_s"])) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_NPROC, (32, 32))
+    fsize = int(lim.get("file_mb", 4)) << 20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    nofile = int(lim.get("open_files", 64))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    nproc = int(lim.get("nproc", 64))
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _child(src, workdir, out_w, err_w, timeout_s, memory_mb):
-    os.setsid()
+def _drop_privileges(bpf):
+    for cap in range(64):
+        LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = ctypes.create_string_buffer(b"\x22\x05\x08\x20" + b"\x00" * 4)  # _LINUX_CAPABILITY_VERSION_3, pid 0
+    _ok(LIBC.capset(header, ctypes.create_string_buffer(24)), "capset")
+    _ok(LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _ok(LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
+    prog = _SockFprog(len(bpf) // 8, bpf)
+    _ok(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+
+
+def _feedback_from(exc_info):
+    etype, value, tb = exc_info
+    frames = [f for f in traceback.extract_tb(tb) if f.filename == SOLUTION]
+    fb = {"type": etype.__name__, "message": str(value)[:500]}
+    if frames:
+        fb["file"], fb["line"] = SOLUTION, frames[-1].lineno
+    elif isinstance(value, SyntaxError) and value.filename == SOLUTION:
+        fb["file"], fb["line"] = SOLUTION, value.lineno
+    return fb
+
+
+def _run_tests(ns, tests_src, style, filename):
+    """Run the tests against the solution's namespace; one entry per test."""
+    tree = ast.parse(tests_src, filename)
+    outcomes = []
+    if style == "assert":
+        # Every top-level assert is a test; other statements are set-up.
+        for node in tree.body:
+            code = compile(ast.Module(body=[node], type_ignores=[]), filename, "exec")
+            name = "assert at line %d: %s" % (node.lineno, (ast.get_source_segment(tests_src, node) or "")[:120])
+            try:
+                exec(code, ns)
+                if isinstance(node, ast.Assert):
+                    outcomes.append((name, True, None))
+            except BaseException:  # noqa: BLE001 - a failing test is a result
+                outcomes.append((name if isinstance(node, ast.Assert) else "set-up at line %d" % node.lineno, False,
+                                 _feedback_from(sys.exc_info())))
+                if not isinstance(node, ast.Assert):
+                    break
+    else:
+        exec(compile(tree, filename, "exec"), ns)
+        names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+        for name in names:
+            try:
+                ns[name]()
+                outcomes.append((name, True, None))
+            except BaseException:  # noqa: BLE001
+                outcomes.append((name, False, _feedback_from(sys.exc_info())))
+    return outcomes
+
+
+def _model(job, lim, bpf, fds):
+    out_w, err_w, rep_w, ready_w, go_r = fds
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
-    os.chdir(workdir)
+    keep = sorted({1, 2, rep_w, ready_w, go_r})
+    low = 3
+    for fd in keep:
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, 4096)
+    os.setsid()
+    JOBS.clear()
+    os.chdir(job["cwd"])
+    env = {"PATH": "/usr/bin:/bin", "HOME": job["cwd"], "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        _limits(lim)
+        _drop_privileges(bpf)
+    except OSError as exc:
+        os.write(2, ("sandbox set-up failed: %s\n" % exc).encode())
+        os._exit(126)
+    if job["kind"] == "command":
+        try:
+            os.execve(job["argv"][0], job["argv"], env)
+        except OSError as exc:
+            os.write(2, ("cannot execute %s: %s\n" % (job["argv"][0], exc)).encode())
+            os._exit(127)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    sys.argv = [SOLUTION]
+    report = os.fdopen(rep_w, "w")
+    ns = {"__name__": "__main__", "__builtins__": __builtins__, "__file__": SOLUTION}
     code = 0
     try:
-        _limits(timeout_s, memory_mb)
-        sys.stdout = os.fdopen(1, "w", buffering=1)
-        sys.stderr = os.fdopen(2, "w", buffering=1)
-        exec(compile(src, "<program>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        exec(compile(job["source"], SOLUTION, "exec"), ns)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if job.get("tests"):
+            report.write(json.dumps({"error": {"type": "SystemExit", "message": "the solution exited before the tests ran"}}))
+            code = code or 1
     except MemoryError:
-        code = 137
+        code = MEMORY_EXIT
         sys.stderr.write("MemoryError\n")
     except BaseException:  # noqa: BLE001 - report whatever the program raised
         code = 1
         etype, value, tb = sys.exc_info()
-        frames = [f for f in traceback.extract_tb(tb) if f.filename == "<program>"]
-        line = frames[-1].lineno if frames else None
-        sys.stderr.write(traceback.format_exc(limit=-3))
-        sys.stderr.write("\n__FEEDBACK__" + json.dumps({"type": etype.__name__, "message": str(value)[:500], "line": line}))
+        sys.stderr.write("".join(traceback.format_exception(etype, value, tb.tb_next, limit=-8)))  # not our frame
+        report.write(json.dumps({"error": _feedback_from(sys.exc_info())}))
+    else:
+        tests = job.get("tests")
+        if tests:
+            os.write(ready_w, b"1")
+            if os.read(go_r, 1) != b"1":
+                os._exit(1)
+            path = "/tests/" + tests["file"]
+            try:
+                with open(path) as fh:
+                    src = fh.read()
+                outcomes = _run_tests(ns, src, tests.get("style", "assert"), path)
+            except MemoryError:
+                os._exit(MEMORY_EXIT)
+            except BaseException:  # noqa: BLE001 - a broken test file is the task's fault, but report it
+                report.write(json.dumps({"error": _feedback_from(sys.exc_info())}))
+                code = 1
+            else:
+                report.write(json.dumps({"tests": [[n, ok, fb] for n, ok, fb in outcomes]}))
+                code = 0 if outcomes and all(ok for _, ok, _ in outcomes) else 1
     try:
         sys.stdout.flush()
         sys.stderr.flush()
+        report.flush()
     except BaseException:  # noqa: BLE001
         pass
     os._exit(code)
 
 
-class _Run:
-    """One program's child process and what it has written so far."""
+# --------------------------------------------------------------------------
+# the supervisor (pid 1 of the job's namespaces) and the relay
 
-    def __init__(self, index, src, timeout_s, memory_mb):
-        self.index = index
-        workdir = tempfile.mkdtemp(prefix="run-", dir="/tmp")
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        self.start = time.monotonic()
-        self.deadline = self.start + timeout_s
+
+def _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w):
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.setsid()  # kill(0, ...) from the job must not reach the harness's process group
+    _mount(None, b"/", None, MS_REC | MS_PRIVATE)
+    _mount(b"tmpfs", b"/proc", b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0555")
+    opts = ("size=%dm,mode=0700,nr_inodes=4096" % int(lim.get("tmp_mb", 16))).encode()
+    _mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+    _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
+    if job["cwd"] == "/w":
+        _mount(b"tmpfs", b"/w", b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+    tests = job.get("tests")
+    if tests:
+        # The job's tests stay bind-mounted under a name only S knows; everything
+        # else under /t is hidden now, the job's own directory after the solution ran.
+        _mount(("/t/" + tests["dir"]).encode(), b"/tests", None, MS_BIND)
+        _mount(None, b"/tests", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _mount(b"tmpfs", b"/tests", b"tmpfs", MS_RDONLY, b"size=4k,mode=0555")
+    _mount(b"tmpfs", b"/t", b"tmpfs", MS_RDONLY, b"size=4k,mode=0555")
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.close(go_w)
+        os.close(status_w)
+        _model(job, lim, bpf, (out_w, err_w, rep_w, ready_w, go_r))
+    for fd in (out_w, err_w, rep_w, ready_w, go_r):
+        os.close(fd)
+    if tests:
+        if os.read(ready_r, 1) == b"1":
+            _ok(LIBC.umount2(b"/tests", 0), "umount tests cover")
+            os.write(go_w, b"1")
+    while True:  # pid 1 reaps every orphan; stop when M is done
+        try:
+            wpid, status, usage = os.wait4(-1, 0)
+        except ChildProcessError:
+            break
+        if wpid == pid:
+            os.write(status_w, json.dumps({"status": status, "maxrss_kb": usage.ru_maxrss}).encode())
+            break
+    os._exit(0)  # as pid 1: the kernel now kills whatever M left behind
+
+
+def _relay(job, lim, bpf, fds):
+    out_w, err_w, rep_w, status_w = fds
+    try:
+        _ok(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
         pid = os.fork()
         if pid == 0:
-            os.close(out_r)
-            os.close(err_r)
-            _child(src, workdir, out_w, err_w, timeout_s, memory_mb)
-        os.close(out_w)
-        os.close(err_w)
+            try:
+                _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w)
+            except BaseException as exc:  # noqa: BLE001
+                os.write(err_w, ("sandbox supervisor failed: %s\n" % exc).encode())
+                os._exit(125)
+        os.waitpid(pid, 0)
+    except BaseException as exc:  # noqa: BLE001
+        os.write(err_w, ("sandbox relay failed: %s\n" % exc).encode())
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------
+# the harness: start jobs, collect output, enforce wall-clock and output limits
+
+
+class _Job:
+    def __init__(self, index, job, lim, bpf):
+        self.index = index
+        self.kind = job["kind"]
+        self.has_tests = bool(job.get("tests"))
+        pipes = [os.pipe() for _ in range(4)]  # out, err, report, status
+        self.start = time.monotonic()
+        self.deadline = self.start + float(lim["timeout_s"])
+        pid = os.fork()
+        if pid == 0:
+            for r, _ in pipes:
+                os.close(r)
+            _relay(job, lim, bpf, [w for _, w in pipes])
+        for _, w in pipes:
+            os.close(w)
         self.pid = pid
-        self.out_r, self.err_r = out_r, err_r
-        self.bufs = {out_r: bytearray(), err_r: bytearray()}
-        self.open_fds = [out_r, err_r]
+        self.fds = [r for r, _ in pipes]
+        self.out_r, self.err_r, self.rep_r, self.status_r = self.fds
+        self.bufs = {fd: bytearray() for fd in self.fds}
+        self.open_fds = list(self.fds)
         self.truncated = False
         self.timed_out = False
 
@@ -94,44 +310,61 @@ class _Run:
         if not chunk:
             self.open_fds.remove(fd)
             return
-        room = max_output - len(self.bufs[fd])
+        cap = max_output if fd in (self.out_r, self.err_r) else 1 << 20
+        room = cap - len(self.bufs[fd])
         if room > 0:
             self.bufs[fd] += chunk[:room]
-        if len(chunk) > room:
+        if len(chunk) > room and fd in (self.out_r, self.err_r):
             self.truncated = True
             self.kill()
 
     def kill(self):
         try:
-            os.killpg(self.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)  # the supervisor follows (PDEATHSIG), then its namespace
         except ProcessLookupError:
             pass
 
     def finish(self):
-        _, status = os.waitpid(self.pid, 0)
-        self.kill()  # anything the program left behind in its session
-        for fd in (self.out_r, self.err_r):
+        os.waitpid(self.pid, 0)
+        for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        exit_code = os.waitstatus_to_exitcode(status)
+        try:
+            status = json.loads(bytes(self.bufs[self.status_r]) or b"null")
+        except ValueError:
+            status = None
+        try:
+            report = json.loads(bytes(self.bufs[self.rep_r]) or b"null") or {}
+        except ValueError:
+            report = {}
+        exit_code = os.waitstatus_to_exitcode(status["status"]) if status else None
+        peak_mb = round(status["maxrss_kb"] / 1024, 2) if status else None
         stderr = self.bufs[self.err_r].decode(errors="replace")
-        feedback = None
-        if "__FEEDBACK__" in stderr:
-            stderr, _, fb = stderr.rpartition("\n__FEEDBACK__")
-            try:
-                feedback = json.loads(fb)
-            except ValueError:
-                feedback = None
-        if self.timed_out:
+        tests = report.get("tests")
+        feedback = report.get("error")
+        if tests is not None:
+            failed = [t for t in tests if not t[1]]
+            if failed:
+                feedback = dict(failed[0][2] or {}, failing_test=failed[0][0])
+        if self.timed_out or exit_code == -signal.SIGXCPU:
             verdict = "timeout"
         elif self.truncated:
             verdict = "output_limit"
+        elif exit_code == MEMORY_EXIT or exit_code == -signal.SIGKILL:
+            verdict = "memory"  # MemoryError, or killed by the cgroup's OOM killer
+        elif exit_code is None:
+            verdict = "infra"
+        elif self.has_tests:
+            if tests:
+                verdict = "pass" if all(t[1] for t in tests) else "fail"
+            else:
+                verdict = "error"
         elif exit_code == 0:
             verdict = "pass"
-        elif exit_code == 137 or exit_code == -signal.SIGKILL:
-            verdict = "memory"
+        elif self.kind == "command":
+            verdict = "fail"
         elif feedback is not None and feedback.get("type") == "AssertionError":
             verdict = "fail"
         else:
@@ -142,46 +375,49 @@ class _Run:
             "stdout": self.bufs[self.out_r].decode(errors="replace"),
             "stderr": stderr,
             "duration_s": round(time.monotonic() - self.start, 4),
+            "peak_memory_mb": peak_mb,
             "feedback": feedback,
+            "tests": None if tests is None else {"passed": sum(1 for t in tests if t[1]), "total": len(tests),
+                                                 "failed": [t[0] for t in tests if not t[1]][:20]},
         }
 
 
-def run_all(programs, timeout_s, memory_mb, max_output, parallel):
-    """Run every program, at most ``parallel`` children at a time; results in input order."""
-    results = [None] * len(programs)
-    queue = list(enumerate(programs))
+def run_all(jobs, lim, bpf, parallel):
+    """Run every job, at most ``parallel`` at a time; results in input order."""
+    JOBS.update(enumerate(jobs))
+    results = [None] * len(jobs)
+    queue = list(range(len(jobs)))
     running = []
+    max_output = int(lim["max_output_bytes"])
     while queue or running:
         while queue and len(running) < parallel:
-            index, src = queue.pop(0)
-            running.append(_Run(index, src, timeout_s, memory_mb))
-        fds = {fd: run for run in running for fd in run.open_fds}
-        now = time.monotonic()
-        wait = max(0.0, min(run.deadline for run in running) - now)
+            index = queue.pop(0)
+            running.append(_Job(index, JOBS[index], lim, bpf))
+        fds = {fd: job for job in running for fd in job.open_fds}
+        wait = max(0.0, min(job.deadline for job in running) - time.monotonic())
         ready = select.select(list(fds), [], [], wait)[0] if fds else []
         for fd in ready:
             fds[fd].read(fd, max_output)
         now = time.monotonic()
-        for run in list(running):
-            if run.open_fds and now >= run.deadline:
-                run.timed_out = True
-                run.kill()
-                run.open_fds = []
-            if not run.open_fds:
-                results[run.index] = run.finish()
-                running.remove(run)
+        for job in list(running):
+            if job.open_fds and now >= job.deadline:
+                job.timed_out = True
+                job.kill()
+                for fd in list(job.open_fds):  # what it wrote before the kill still counts
+                    while select.select([fd], [], [], 0)[0] and fd in job.open_fds:
+                        job.read(fd, max_output)
+                job.open_fds = []
+            if not job.open_fds:
+                results[job.index] = job.finish()
+                running.remove(job)
     return results
 
 
 def main():
     request = json.load(sys.stdin)
-    results = run_all(
-        request["programs"],
-        float(request["timeout_s"]),
-        int(request["memory_mb"]),
-        int(request["max_output_bytes"]),
-        int(request.get("parallel", 2)),
-    )
+    with open("/seccomp.bpf", "rb") as fh:
+        bpf = fh.read()
+    results = run_all(request["jobs"], request["limits"], bpf, int(request.get("parallel", 2)))
     for result in results:
         sys.stdout.write(json.dumps(result) + "\n")
 

@@ -1,49 +1,77 @@
-"""Run model-written Python programs in a bubblewrap sandbox.
+"""Run model-written programs and commands in a bubblewrap sandbox.
 
-One ``bwrap`` launch per *batch*: inside it, ``reward/harness.py`` forks one
-child per program (a fork server), so the ~20 ms bwrap start and the
-interpreter start are paid once per batch, not once per completion.
-Identical programs in a batch (common: a group's samples often agree) run
-once.
+One ``bwrap`` launch per *batch*; inside it ``reward/harness.py`` is a fork
+server that gives every job namespaces of its own (mount, pid, IPC), so the
+bwrap start and the interpreter start are paid once per batch while jobs
+stay isolated from each other. Identical programs in a batch run once.
 
-What it protects against
-- Network: every namespace is unshared (``--unshare-all``): no interfaces but
-  an unconfigured loopback, so no TCP/UDP to the host or the outside.
-- Host files: only ``/usr`` (read-only), the harness (read-only), a fresh
-  ``/proc``, a minimal ``/dev`` and a private tmpfs ``/tmp`` are visible; the
-  project tree, ``/etc``, ``/root`` and other batches' files are not.
-- Privilege: uid/gid 65534 inside a user namespace, all capabilities
-  dropped, ``--new-session`` (no TIOCSTI into the caller's terminal),
-  ``--die-with-parent``.
-- Runaway programs: per program a wall-clock limit that SIGKILLs its whole
-  session, rlimits on address space, CPU seconds, file size (1 MB), open
-  files and processes, capped stdout/stderr; per batch a wall-clock limit on
-  the bwrap process.
-- Leftovers: each program runs in its own session, which is killed after it
-  exits; the sandbox's tmpfs vanishes with the batch.
+What it protects against (each claim has a test in
+``tests/integration/test_sandbox_adversarial.py``)
+- Network: every namespace is unshared; the only interface is an
+  unconfigured loopback, and seccomp refuses sockets of any family but
+  AF_UNIX, so neither TCP nor UDP reach anything, loopback included.
+- Host files: only ``/usr`` (read-only), the harness and the seccomp filter
+  (read-only), a private size-limited tmpfs working directory and ``/tmp``
+  per job, and — for workspace tasks — the workspace overlay are visible.
+  ``/etc``, ``/root``, the project tree, other jobs' directories and
+  ``/proc`` are not.
+- Privilege: uid/gid 65534 in a user namespace; every capability dropped
+  (bounding and ambient sets too), ``no_new_privs``, not dumpable;
+  ``setuid``, ``ptrace``, ``mount``, ``unshare``, ``bpf``, ``keyctl``,
+  ``io_uring`` and the other calls in ``reward/seccomp.py`` fail with EPERM.
+- Other processes: a job is pid 2 of its own pid namespace; it cannot see
+  or signal the harness, other jobs, or the host.
+- Runaway programs: wall-clock limit per job (SIGKILL of the whole
+  namespace), rlimits (address space, CPU seconds, file size, open files,
+  processes), a tmpfs size and inode limit on writable directories, output
+  capped, and a cgroup (v1 or v2) per batch bounding memory (tmpfs pages
+  included) and process count.
+- Leftovers: when a job ends its pid namespace is torn down (no daemon
+  survives it), its tmpfs vanishes with its mount namespace, the batch's
+  cgroup is removed; nothing is mounted on the host.
+- Tests: copied in after the solution's own code has run, bind-mounted
+  read-only; the solution cannot read them while it runs nor change them.
+  A solution that exits before the tests ran scores as an error.
 
-What it does not (yet) protect against — issue #4 adds them
-- No seccomp filter: a program may call any syscall the user namespace
-  allows (e.g. create AF_UNIX/AF_INET sockets — which reach nothing).
-- No cgroup memory/pids limits: memory is bounded per process by
-  RLIMIT_AS, processes by RLIMIT_NPROC; a tmpfs fill is bounded only by the
-  batch's own memory.
-- Programs of one batch share the sandbox's /tmp (each gets its own empty
-  working directory inside it); batches never share anything.
-- Where bwrap cannot create a user namespace it refuses (``SandboxUnavailable``);
-  there is no silent fallback to a bare subprocess.
+What it does not protect against
+- Kernel vulnerabilities reachable through the syscalls left allowed: this
+  is a namespace sandbox, not a VM (use gVisor/Firecracker hosts for that).
+- CPU contention: CPU time is limited per process, not shared fairly.
+- In-process test forgery: tests run in the solution's interpreter (that is
+  what lets them call its functions), so a solution that inspects the test
+  runner's frames could report a pass; reward hacking of that kind shows
+  in the logged outputs, not in the sandbox's guarantees.
+- Where bwrap cannot create namespaces the sandbox refuses to start
+  (``SandboxUnavailable``); there is no fallback to a bare subprocess.
+- Without writable cgroups (neither v1 nor v2 delegated) memory is bounded
+  per process by RLIMIT_AS only; the service logs this loudly at start and
+  ``cgroups="required"`` makes it fatal.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
+import tempfile
 import time
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
+import structlog
+
+from reward import cgroups
+from reward.seccomp import filter_bpf
+from reward.workspace import Workspace
+
+log = structlog.get_logger(__name__)
 HARNESS = Path(__file__).with_name("harness.py")
+Verdict = Literal["pass", "fail", "error", "timeout", "memory", "output_limit", "infra"]
 
 
 class SandboxUnavailable(RuntimeError):
@@ -51,13 +79,40 @@ class SandboxUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 2.0
+    memory_mb: int = 256  # address space per process
+    max_output_bytes: int = 8192  # stdout and stderr, each
+    tmp_mb: int = 16  # each writable tmpfs (work dir, /tmp)
+    nproc: int = 64
+    file_mb: int = 4
+    open_files: int = 64
+
+
+@dataclass(frozen=True)
+class Job:
+    """A Python program (run in the fork server) or a command (executed)."""
+
+    source: str = ""
+    kind: Literal["python", "command"] = "python"
+    argv: tuple[str, ...] = ()
+    tests: str | None = None  # run after the solution, against its namespace
+    test_style: Literal["assert", "functions"] = "assert"
+
+
+@dataclass(frozen=True)
 class ExecResult:
-    verdict: str  # pass | fail | error | timeout | memory | output_limit | infra
+    verdict: Verdict
     exit_code: int | None
     stdout: str
     stderr: str
     duration_s: float
+    peak_memory_mb: float | None = None
     feedback: dict | None = field(default=None)
+    tests: dict | None = None  # {"passed", "total", "failed": [names]} for jobs with tests
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def _interpreter() -> str:
@@ -68,11 +123,15 @@ def _interpreter() -> str:
     raise SandboxUnavailable("no system python3 under /usr to run inside the sandbox")
 
 
-class PythonSandbox:
-    """Executes batches of programs; thread-safe (each batch is its own bwrap)."""
+class Sandbox:
+    """Executes batches of jobs; thread-safe (each batch is its own bwrap and cgroup)."""
 
     def __init__(
-        self, timeout_s: float = 2.0, memory_mb: int = 256, max_output_bytes: int = 4096, parallel: int | None = None
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        parallel: int | None = None,
+        cgroups_mode: Literal["auto", "required", "off"] = "auto",
     ) -> None:
         from conveyor.stack.components import BinaryMissing, bwrap_binary
 
@@ -80,82 +139,146 @@ class PythonSandbox:
             self.bwrap = str(bwrap_binary())
         except BinaryMissing as exc:
             raise SandboxUnavailable(str(exc)) from None
+        self.limits = limits or SandboxLimits()
         self.python = _interpreter()
-        self.timeout_s = timeout_s
-        self.memory_mb = memory_mb
-        self.max_output_bytes = max_output_bytes
         self.parallel = parallel or min(4, os.cpu_count() or 1)
+        self.last_error: str | None = None
+        self.last_batch_peak_mb: float | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="conveyor-sandbox-"))
+        self._bpf = self._dir / "seccomp.bpf"
+        try:
+            self._bpf.write_bytes(filter_bpf())
+        except (ImportError, OSError, RuntimeError) as exc:
+            raise SandboxUnavailable(f"cannot build the seccomp filter (libseccomp): {exc}") from None
+        self.cgroup_version = None if cgroups_mode == "off" else cgroups.detect()
+        self._cgroups = cgroups.CgroupFactory(self.cgroup_version) if self.cgroup_version else None
+        if self._cgroups is None and cgroups_mode == "required":
+            raise SandboxUnavailable("no writable cgroup v1 or v2 memory+pids controllers (cgroups_mode=required)")
+        if self._cgroups is None and cgroups_mode == "auto":
+            log.warning("sandbox_without_cgroups", reason="no writable memory+pids controllers; rlimits only")
+        elif self._cgroups is not None:
+            self._cgroups.sweep()
         self._check()
 
-    def _argv(self) -> list[str]:
+    # -- launching ---------------------------------------------------------
+
+    def _argv(self, tests_dir: Path | None, workspace: Workspace | None) -> list[str]:
         argv = [
             self.bwrap,
             "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
             "--uid", "65534",
             "--gid", "65534",
             "--cap-drop", "ALL",
+            "--cap-add", "CAP_SYS_ADMIN",  # the harness's, for per-job namespaces; jobs drop it
             "--die-with-parent",
             "--new-session",
             "--ro-bind", "/usr", "/usr",
-        ]
-        for link in ("lib", "lib64", "bin"):
+        ]  # fmt: skip
+        for link in ("lib", "lib64", "bin", "sbin"):
             if os.path.islink(f"/{link}"):
                 argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
         argv += [
             "--proc", "/proc",
             "--dev", "/dev",
             "--tmpfs", "/tmp",
+            "--dir", "/w",
+            "--dir", "/tests",
+        ]  # fmt: skip
+        argv += ["--ro-bind", str(tests_dir), "/t"] if tests_dir else ["--dir", "/t"]
+        if workspace is not None:
+            argv += workspace.bwrap_args("/workspace")
+        argv += [
+            "--ro-bind", str(self._bpf), "/seccomp.bpf",
             "--ro-bind", str(HARNESS), "/harness.py",
-            "--chdir", "/tmp",
+            "--remount-ro", "/dev",
+            "--remount-ro", "/",
+            "--chdir", "/",
             "--clearenv",
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            "--setenv", "PATH", "/usr/bin",
+            "--setenv", "PATH", "/usr/bin:/bin",
             self.python, "-S", "-I", "/harness.py",
-        ]
+        ]  # fmt: skip
         return argv
 
     def _check(self) -> None:
         try:
-            res = subprocess.run(
-                self._argv(), input=json.dumps(self._request(["print('ok')"])), capture_output=True, text=True, timeout=30
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            [r] = self.run([Job("print('ok')")])
+        except (OSError, subprocess.SubprocessError) as exc:
             raise SandboxUnavailable(f"bwrap failed to start: {exc}") from None
-        if res.returncode != 0 or '"pass"' not in res.stdout:
-            raise SandboxUnavailable(
-                f"bwrap cannot run here (user namespaces disabled?): exit {res.returncode}: {res.stderr.strip()[:300]}"
-            )
+        if r.verdict != "pass":
+            why = self.last_error or r.stderr.strip()[:300]
+            raise SandboxUnavailable(f"bwrap cannot run here (user namespaces disabled?): {why}")
 
-    def _request(self, programs: list[str]) -> dict:
-        return {
-            "programs": programs,
-            "timeout_s": self.timeout_s,
-            "memory_mb": self.memory_mb,
-            "max_output_bytes": self.max_output_bytes,
-            "parallel": self.parallel,
-        }
+    def run(self, jobs: Sequence[Job], workspace: Workspace | None = None) -> list[ExecResult]:
+        """Run every job; results in input order. Never raises for the jobs' faults.
 
-    def run_batch(self, programs: list[str]) -> list[ExecResult]:
-        """Run every program; identical ones once. Never raises for the programs' faults."""
-        unique = list(dict.fromkeys(programs))
-        if not unique:
+        With a workspace, jobs run one after the other on it (a task's steps).
+        """
+        if not jobs:
             return []
+        lim = self.limits
+        parallel = 1 if workspace is not None else self.parallel
+        batch = self._dir / uuid.uuid4().hex[:12]
+        tests_dir = None
+        specs = []
+        for job in jobs:
+            spec: dict = {"kind": job.kind, "cwd": "/workspace" if workspace is not None else "/w"}
+            if job.kind == "command":
+                spec["argv"] = list(job.argv)
+            else:
+                spec["source"] = job.source
+            if job.tests is not None:
+                tests_dir = batch / "t"
+                name = uuid.uuid4().hex
+                (tests_dir / name).mkdir(parents=True)
+                (tests_dir / name / "test_task.py").write_text(job.tests)
+                spec["tests"] = {"dir": name, "file": "test_task.py", "style": job.test_style}
+            specs.append(spec)
+        request = {"jobs": specs, "limits": asdict(lim), "parallel": parallel}
+        argv = self._argv(tests_dir, workspace)
+        cg = None
+        if self._cgroups is not None:
+            per_job = (lim.memory_mb + 2 * lim.tmp_mb) << 20
+            cg = self._cgroups.create(memory_bytes=parallel * per_job + (96 << 20), pids=parallel * (lim.nproc + 4) + 16)
+            # Join the cgroup before exec, so bwrap and everything under it is accounted.
+            argv = ["/bin/sh", "-c", 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f"; shift; done; shift; exec "$@"',
+                    "sh", *cg.procs_files, "--", *argv]  # fmt: skip
         start = time.monotonic()
+        rounds = math.ceil(len(jobs) / parallel)
         try:
             res = subprocess.run(
-                self._argv(),
-                input=json.dumps(self._request(unique)),
-                capture_output=True,
-                text=True,
-                timeout=self.timeout_s * len(unique) / self.parallel + 30,
+                argv, input=json.dumps(request), capture_output=True, text=True, timeout=lim.timeout_s * rounds + 30
             )
             lines = res.stdout.splitlines()
+            if len(lines) != len(jobs):
+                self.last_error = f"exit {res.returncode}: {res.stderr.strip()[-500:]}"
+                log.error("sandbox_batch_failed", error=self.last_error)
         except subprocess.TimeoutExpired:
             lines = []
-        by_program: dict[str, ExecResult] = {}
-        for src, line in zip(unique, lines):
-            r = json.loads(line)
-            by_program[src] = ExecResult(r["verdict"], r["exit_code"], r["stdout"], r["stderr"], r["duration_s"], r["feedback"])
-        elapsed = time.monotonic() - start
-        infra = ExecResult("infra", None, "", "sandbox batch did not report this program", elapsed)
-        return [by_program.get(src, infra) for src in programs]
+            log.error("sandbox_batch_timeout", jobs=len(jobs))
+        finally:
+            if cg is not None:
+                self.last_batch_peak_mb = (cg.peak_memory_bytes() or 0) / 2**20
+                cg.remove()
+            shutil.rmtree(batch, ignore_errors=True)
+        results = []
+        for i in range(len(jobs)):
+            if i < len(lines):
+                results.append(ExecResult(**json.loads(lines[i])))
+            else:
+                elapsed = time.monotonic() - start
+                results.append(ExecResult("infra", None, "", "the sandbox batch did not report this job", elapsed))
+        return results
+
+    def run_batch(self, programs: list[str]) -> list[ExecResult]:
+        """Run Python programs; identical ones once."""
+        unique = list(dict.fromkeys(programs))
+        by_src = dict(zip(unique, self.run([Job(src) for src in unique])))
+        return [by_src[src] for src in programs]
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+

@@ -11,10 +11,10 @@ from conftest import service_unavailable
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     from conveyor.demo import DemoConfig, run_demo
-    from reward.sandbox import PythonSandbox, SandboxUnavailable
+    from reward.sandbox import Sandbox, SandboxUnavailable
 
     try:
-        PythonSandbox()
+        Sandbox()
     except SandboxUnavailable as exc:
         service_unavailable(f"bubblewrap sandbox: {exc}")
     cfg = DemoConfig(
