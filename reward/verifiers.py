@@ -1,49 +1,293 @@
-"""Verifiers: turn a completion and what the sandbox saw into a reward.
+"""Verifiers: turn a completion, and what the sandbox saw, into a reward.
 
-``python_program``: the program is ``task.prompt + completion``; it passes
-when it exits 0 in the sandbox. ``data.answer_format == "int_literal"``
-first requires the completion to be an integer literal (a format check, as
-math verifiers normalise answers): without it the policy learns to write
-``x`` or to copy the expression, which passes every assert.
+Each kind reads its own payload from ``task.verifier.data``:
+
+``python_program`` (the demo's family)
+    The program is ``task.prompt + completion``; it passes when it exits 0.
+    ``answer_format: int_literal`` first requires the completion to be an
+    integer literal (a format check: without it a policy learns to write the
+    expression itself, which passes every assert).
+``python_tests``
+    ``tests`` (source), ``style`` (``assert``: every top-level assert is a
+    test; ``functions``: every ``test*`` function is), ``reward``
+    (``fraction`` of tests passed, or ``all`` or nothing), ``prepend_prompt``
+    (run ``prompt + completion`` rather than the completion alone). The
+    completion's code is taken from its last fenced code block when it has
+    one. The solution runs first; the tests are copied in afterwards,
+    read-only, and run against its namespace.
+``math``
+    ``answer`` (the ground truth), ``tolerance`` (relative, for numbers;
+    default 1e-6). The final answer is taken from ``\\boxed{...}``, a
+    ``#### x`` line, an ``answer: x`` line, or else the last number;
+    fractions, LaTeX ``\\frac``, thousands separators, ``$`` and ``%`` are
+    normalised. No sandbox.
+``terminal``
+    ``files`` (initial workspace: path -> content) and/or ``image`` (a base
+    directory on the reward worker), ``checks`` (Python source, run in the
+    workspace after the commands, ``style`` as above), ``reward`` as above.
+    The completion is a shell script (last fenced block when it has one),
+    run with ``/bin/sh -e`` in the workspace.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
 
 from conveyor.contracts import Feedback, Task
-from reward.sandbox import ExecResult
+from reward.sandbox import ExecResult, Job, Sandbox
+from reward.workspace import Workspace
 
 _INT_LITERAL = re.compile(r"^ ?-?\d+\n?$")
+_FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)```", re.S)
+
+
+class VerifierError(ValueError):
+    """The task's verifier payload is unusable (the task's fault, not the model's)."""
 
 
 @dataclass(frozen=True)
 class Verdict:
     reward: float
     verdict: str
-    feedback: Feedback | None
+    feedback: Feedback | None = None
+    details: dict[str, float] = field(default_factory=dict)
+
+
+def code_of(completion: str) -> str:
+    """The last fenced code block, or the completion itself."""
+    blocks = _FENCE.findall(completion)
+    return blocks[-1] if blocks else completion
 
 
 def program_of(task: Task, completion: str) -> str | None:
-    """The program to execute, or None when the completion fails the format check."""
+    """``python_program``: the program to execute, or None when the completion fails the format check."""
     fmt = task.verifier.data.get("answer_format")
     if fmt == "int_literal" and not _INT_LITERAL.match(completion):
         return None
     return (task.prompt or "") + completion
 
 
+def _feedback(result: ExecResult) -> Feedback:
+    fb = result.feedback or {}
+    return Feedback(
+        exception_type=fb.get("type"),
+        message=fb.get("message") or result.stderr[-300:] or None,
+        file=fb.get("file"),
+        line=fb.get("line"),
+        failing_test=fb.get("failing_test"),
+        text=result.stderr[-1000:],
+    )
+
+
+def _details(result: ExecResult) -> dict[str, float]:
+    d = {"duration_s": result.duration_s}
+    if result.peak_memory_mb is not None:
+        d["peak_memory_mb"] = result.peak_memory_mb
+    if result.tests:
+        d["tests_passed"], d["tests_total"] = result.tests["passed"], result.tests["total"]
+    return d
+
+
 def judge(task: Task, completion: str, result: ExecResult | None) -> Verdict:
-    """``result`` is None when ``program_of`` refused the completion."""
+    """``python_program``: ``result`` is None when ``program_of`` refused the completion."""
     if result is None:
         return Verdict(0.0, "fail", Feedback(message="the answer must be an integer literal", text=completion[:200]))
     if result.verdict == "pass":
-        return Verdict(1.0, "pass", None)
-    fb = result.feedback or {}
-    feedback = Feedback(
-        exception_type=fb.get("type"),
-        message=fb.get("message") or result.stderr[-300:] or None,
-        line=fb.get("line"),
-        text=result.stderr[-1000:],
-    )
-    return Verdict(0.0, result.verdict if result.verdict != "infra" else "infra", feedback)
+        return Verdict(1.0, "pass", None, _details(result))
+    return Verdict(0.0, result.verdict, _feedback(result), _details(result))
+
+
+def _tests_reward(data: dict, result: ExecResult) -> Verdict:
+    tests = result.tests
+    if result.verdict == "pass":
+        return Verdict(1.0, "pass", None, _details(result))
+    reward = 0.0
+    if tests and tests["total"] and data.get("reward", "all") == "fraction":
+        reward = tests["passed"] / tests["total"]
+    return Verdict(reward, result.verdict, _feedback(result), _details(result))
+
+
+# --------------------------------------------------------------------------
+# math
+
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _boxed(text: str) -> str | None:
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    i, depth, out = matches[-1].end(), 1, []
+    while i < len(text):
+        ch = text[i]
+        depth += ch == "{"
+        depth -= ch == "}"
+        if depth == 0:
+            return "".join(out)
+        out.append(ch)
+        i += 1
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    for pattern in (r"####\s*(.+)", r"(?i)answer\s*(?:is\s*:?|:)\s*(.+)"):
+        m = list(re.finditer(pattern, text))
+        if m:
+            return m[-1].group(1).strip().splitlines()[0]
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def normalise(answer: str) -> str:
+    s = answer.strip().strip(".").replace("\\!", "").replace("$", "").replace("\\%", "%")
+    s = re.sub(r"\\(?:text|mathrm)\{([^}]*)\}", r"\1", s)
+    s = re.sub(r"\\d?frac\{([^}]*)\}\{([^}]*)\}", r"(\1)/(\2)", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace(" ", "")
+    while len(s) > 1 and s[0] == "{" and s[-1] == "}":
+        s = s[1:-1]
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s.lower()
+
+
+def as_number(s: str) -> float | None:
+    s = s.rstrip("%")
+    s = re.sub(r"^\((-?[\d.]+)\)/\((-?[\d.]+)\)$", r"\1/\2", s)
+    try:
+        return float(Fraction(s))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def judge_math(task: Task, completion: str) -> Verdict:
+    data = task.verifier.data
+    if "answer" not in data:
+        raise VerifierError(f"task {task.task_id}: math verifier needs data.answer")
+    got = extract_answer(completion)
+    if got is None:
+        return Verdict(0.0, "fail", Feedback(message="no final answer found", text=completion[-200:]))
+    want_s, got_s = normalise(str(data["answer"])), normalise(got)
+    if want_s == got_s:
+        return Verdict(1.0, "pass")
+    want_n, got_n = as_number(want_s), as_number(got_s)
+    tol = float(data.get("tolerance", 1e-6))
+    if want_n is not None and got_n is not None and math.isclose(want_n, got_n, rel_tol=tol, abs_tol=tol):
+        return Verdict(1.0, "pass")
+    return Verdict(0.0, "fail", Feedback(message=f"answer {got!r} is not correct", text=completion[-200:]))
+
+
+# --------------------------------------------------------------------------
+# batch scoring
+
+
+def _python_tests_job(task: Task, completion: str) -> Job:
+    data = task.verifier.data
+    if not isinstance(data.get("tests"), str):
+        raise VerifierError(f"task {task.task_id}: python_tests needs data.tests (source)")
+    code = code_of(completion)
+    if data.get("prepend_prompt"):
+        code = (task.prompt or "") + code
+    return Job(code, tests=data["tests"], test_style=data.get("style", "assert"))
+
+
+def _terminal_base(task: Task, tmp: Path) -> Path:
+    data = task.verifier.data
+    image, files = data.get("image"), data.get("files") or {}
+    if image and not Path(image).is_dir():
+        raise VerifierError(f"task {task.task_id}: image {image!r} is not a directory on this worker")
+    if image and not files:
+        return Path(image)  # read-only lower layer: never copied, never written
+    base = tmp / "base"
+    if image:
+        shutil.copytree(image, base, symlinks=True)
+    else:
+        base.mkdir()
+    for rel, content in files.items():
+        path = (base / rel).resolve()
+        if not str(path).startswith(str(base.resolve()) + "/"):
+            raise VerifierError(f"task {task.task_id}: file {rel!r} is outside the workspace")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    return base
+
+
+def _terminal(sandbox: Sandbox, task: Task, completion: str) -> Verdict:
+    data = task.verifier.data
+    if not isinstance(data.get("checks"), str):
+        raise VerifierError(f"task {task.task_id}: terminal needs data.checks (source)")
+    with tempfile.TemporaryDirectory(prefix="cvterm-") as tmp:
+        base = _terminal_base(task, Path(tmp))
+        with Workspace(base, root=Path(tmp) / "ws") as ws:
+            script = code_of(completion)
+            commands, checks = sandbox.run(
+                [
+                    Job(kind="command", argv=("/bin/sh", "-e", "-c", script)),
+                    Job("", tests=data["checks"], test_style=data.get("style", "functions")),
+                ],
+                ws,
+            )
+    if commands.verdict in ("timeout", "memory", "output_limit", "infra"):
+        return Verdict(0.0, commands.verdict, _feedback(commands), _details(commands))
+    v = _tests_reward(data, checks)
+    details = dict(v.details, commands_exit_code=float(commands.exit_code or 0))
+    if v.feedback is not None and commands.exit_code:
+        fb = v.feedback
+        v = Verdict(v.reward, v.verdict, Feedback(
+            exception_type=fb.exception_type, message=fb.message, failing_test=fb.failing_test,
+            text=f"commands exited {commands.exit_code}: {commands.stderr[-500:]}",
+        ), details)  # fmt: skip
+    return Verdict(v.reward, v.verdict, v.feedback, details)
+
+
+def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> list[Verdict]:
+    """Score (task, completion) pairs. Python jobs of the batch share one sandbox launch;
+    terminal tasks get a workspace each. A task whose verifier payload is unusable
+    scores ``error`` with the reason (it is the task's fault, not the model's)."""
+    out: list[Verdict | None] = [None] * len(items)
+    jobs: list[Job] = []
+    owners: list[tuple[int, str]] = []  # (item index, how to judge)
+    for i, (task, completion) in enumerate(items):
+        try:
+            if task is None:
+                out[i] = Verdict(0.0, "error", Feedback(message="rollout carries no task: nothing says how to verify it"))
+                continue
+            kind = task.verifier.kind
+            if kind == "python_program":
+                program = program_of(task, completion)
+                if program is None:
+                    out[i] = judge(task, completion, None)
+                else:
+                    jobs.append(Job(program))
+                    owners.append((i, kind))
+            elif kind == "python_tests":
+                jobs.append(_python_tests_job(task, completion))
+                owners.append((i, kind))
+            elif kind == "math":
+                out[i] = judge_math(task, completion)
+            elif kind == "terminal":
+                out[i] = _terminal(sandbox, task, completion)
+            else:
+                raise VerifierError(f"task {task.task_id}: unknown verifier kind {kind!r}")
+        except VerifierError as exc:
+            out[i] = Verdict(0.0, "error", Feedback(message=f"bad task: {exc}"))
+    if jobs:
+        unique = list(dict.fromkeys(jobs))  # identical (program, tests) pairs run once
+        by_job = dict(zip(unique, sandbox.run(unique)))
+        for job, (i, kind) in zip(jobs, owners):
+            task, completion = items[i]
+            result = by_job[job]
+            out[i] = judge(task, completion, result) if kind == "python_program" else _tests_reward(task.verifier.data, result)
+    assert all(v is not None for v in out)
+    return out  # type: ignore[return-value]
