@@ -133,8 +133,11 @@ ObjectStoreConfig = Annotated[LocalStoreConfig | S3StoreConfig, Field(discrimina
 class RedisBrokerConfig(_Section):
     type: Literal["redis"] = "redis"
     url: str = "redis://127.0.0.1:6379/0"
-    visibility_timeout_s: int = Field(3600, ge=60)
-    """Redis redelivers a task unacknowledged for this long: keep task time limits below it."""
+    result_backend: str | None = None
+    """Where task results go; None: the broker's Redis."""
+    visibility_timeout_s: int = Field(3600, ge=5)
+    """Redis redelivers a task unacknowledged for this long (a killed worker's task runs
+    again after it): must exceed ``reward.hard_time_limit_s``."""
 
     @field_validator("url")
     @classmethod
@@ -147,6 +150,8 @@ class RedisBrokerConfig(_Section):
 class RabbitMQBrokerConfig(_Section):
     type: Literal["rabbitmq"] = "rabbitmq"
     url: str = "amqp://guest:guest@127.0.0.1:5672//"
+    result_backend: str | None = None
+    """Where task results go; None: ``rpc://`` (replies on the broker, to the caller)."""
 
     @field_validator("url")
     @classmethod
@@ -166,6 +171,33 @@ class LocalExecutorConfig(_Section):
 CeleryBrokerConfig = Annotated[
     RedisBrokerConfig | RabbitMQBrokerConfig | LocalExecutorConfig, Field(discriminator="type")
 ]
+
+
+class RewardConfig(_Section):
+    """Sandbox limits per execution and the Celery task's own limits."""
+
+    timeout_s: float = Field(2.0, gt=0, le=3600)
+    """Wall-clock limit of one program or command in the sandbox."""
+    memory_mb: int = Field(256, ge=32)
+    max_output_bytes: int = Field(8192, ge=256)
+    tmp_mb: int = Field(16, ge=1)
+    nproc: int = Field(64, ge=4)
+    cgroups: Literal["auto", "required", "off"] = "auto"
+    queue: str = "conveyor.reward"
+    soft_time_limit_s: float = Field(60.0, gt=0)
+    hard_time_limit_s: float = Field(90.0, gt=0)
+    max_tasks_per_child: int = Field(500, ge=1)
+    max_retries: int = Field(5, ge=0)
+    """Retries of infrastructure failures (the sandbox could not run); the model's own failures are results."""
+    worker_concurrency: int = Field(2, ge=1, le=256)
+    result_timeout_s: float = Field(600.0, gt=0)
+    """How long the bridge waits for a task's result before it redelivers the rollout."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RewardConfig:
+        if not self.timeout_s < self.soft_time_limit_s < self.hard_time_limit_s:
+            raise ValueError("need timeout_s < soft_time_limit_s < hard_time_limit_s")
+        return self
 
 
 # --------------------------------------------------------------------------
@@ -201,6 +233,7 @@ class RunConfig(BaseSettings):
     transport: TransportConfig = Field(default_factory=MemoryTransportConfig)
     object_store: ObjectStoreConfig = Field(default_factory=LocalStoreConfig)
     celery: CeleryBrokerConfig = Field(default_factory=LocalExecutorConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -209,6 +242,15 @@ class RunConfig(BaseSettings):
     @classmethod
     def _run_id(cls, v: str) -> str:
         return validate_run_id(v)
+
+    @model_validator(mode="after")
+    def _redelivery_after_time_limit(self) -> RunConfig:
+        if isinstance(self.celery, RedisBrokerConfig) and self.celery.visibility_timeout_s <= self.reward.hard_time_limit_s:
+            raise ValueError(
+                "celery.visibility_timeout_s must exceed reward.hard_time_limit_s "
+                "(Redis would hand a running task to a second worker)"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -123,6 +123,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     from learner.recipe import GRPOLearner
     from producers.producer import TaskProducer
     from reward.bridge import RewardBridge
+    from reward.scorers import LocalScorer
     from rollout_workers.worker import RolloutWorker
     from storage.sink import StorageSink
 
@@ -136,7 +137,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         transport, topics, ctx["engine"], ctx["store"],
         learner_batch_samples=batch_samples, max_lag=max_lag, tasks_per_batch=cfg.batch_groups,
     )
-    bridge = RewardBridge(transport, topics, ctx["sandbox"], ctx["engine"].decode)
+    bridge = RewardBridge(transport, topics, LocalScorer(ctx["sandbox"]), ctx["engine"].decode)
     learner = GRPOLearner(
         transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
         run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr,

@@ -203,6 +203,9 @@ class GRPOLearner:
                 if lag > self.max_lag:
                     self.counters["samples_stale_dropped"] += 1
                     continue
+                if s.verdict == "infra":  # the reward service failed, not the model: no signal
+                    self.counters["samples_infra_dropped"] += 1
+                    continue
                 kept.append(s)
             if len(kept) < 2:
                 continue

@@ -1,14 +1,12 @@
-"""Reward bridge: rollouts topic -> sandbox -> scored topic.
+"""Reward bridge: rollouts topic -> scorer (sandbox or Celery) -> scored topic.
 
-Consumes rollouts in batches, executes each batch's programs in one sandbox
-launch (identical programs once), publishes a ``ScoredRollout`` per rollout,
-waits for the broker's acknowledgements, and only then commits the rollouts'
-offsets: a crash replays a batch, never skips one. A rollout seen twice
-(redelivery) is scored again but published once per bridge process; the
-learner and the storage sink are idempotent on ``rollout_id`` as well.
-
-In embedded mode the sandbox runs in a worker thread of this process; the
-Celery executors of issue #4 replace that with queued tasks.
+Consumes rollouts in batches, has them scored (``reward/scorers.py``: in
+this process, or one Celery task per rollout), publishes a ``ScoredRollout``
+per rollout, waits for the broker's acknowledgements, and only then commits
+the rollouts' offsets: a crash replays a batch, never skips one. A rollout
+delivered twice to one bridge process is published once; across a bridge
+crash it can be published twice, and the learner and the storage sink are
+idempotent on ``rollout_id``.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from conveyor.contracts import Rollout, ScoredRollout
 from conveyor.messaging import Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
-from reward.sandbox import Sandbox
-from reward.verifiers import judge, program_of
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +30,7 @@ class RewardBridge:
         self,
         transport: Transport,
         topics: Topics,
-        sandbox: Sandbox,
+        scorer,
         decode_text,
         *,
         group_id: str = "reward-bridge",
@@ -42,7 +38,7 @@ class RewardBridge:
     ) -> None:
         self.transport = transport
         self.topics = topics
-        self.sandbox = sandbox
+        self.scorer = scorer  # reward.scorers.LocalScorer | CeleryScorer
         self.decode_text = decode_text  # token ids -> text (the model's tokenizer)
         self.group_id = group_id
         self.max_batch = max_batch
@@ -63,8 +59,8 @@ class RewardBridge:
                     if stopping:
                         return  # drained: everything published upstream is scored
                     continue
-                fresh = [d for d in deliveries if d.message.rollout_id not in self._seen]
-                scored = await asyncio.to_thread(self._score, [d.message for d in fresh])
+                fresh = {d.message.rollout_id: d.message for d in deliveries if d.message.rollout_id not in self._seen}
+                scored = await self._score(list(fresh.values()))  # a rollout delivered twice is scored once
                 futures = [await publisher.publish(s, s.rollout.task_id) for s in scored]
                 await asyncio.gather(*futures)
                 for s in scored:
@@ -77,19 +73,13 @@ class RewardBridge:
         if len(self._seen) > 200_000:
             self._seen.popitem(last=False)
 
-    def _score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
+    async def _score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
         start = time.monotonic()
         texts = [self.decode_text(r.completion_token_ids.tolist()) for r in rollouts]
-        programs = [program_of(r.task, t) if r.task else None for r, t in zip(rollouts, texts)]
-        runnable = [p for p in programs if p is not None]
-        results = iter(self.sandbox.run_batch(runnable))
-        self.executions += len(set(runnable))
-        out = []
-        for r, text, program in zip(rollouts, texts, programs):
-            if r.task is None:  # nothing says how to verify it
-                out.append(ScoredRollout(rollout=r, reward=0.0, verdict="error"))
-                continue
-            v = judge(r.task, text, next(results) if program is not None else None)
-            out.append(ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback))  # type: ignore[arg-type]
+        verdicts = await self.scorer.score([(r.task, t, r.rollout_id) for r, t in zip(rollouts, texts)])
+        self.executions += len(rollouts)
         self.busy_s += time.monotonic() - start
-        return out
+        return [
+            ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback, details=v.details)  # type: ignore[arg-type]
+            for r, v in zip(rollouts, verdicts)
+        ]

@@ -72,3 +72,42 @@ def s3_cfg(stack):
         secret_access_key=LOCAL_S3_SECRET_KEY,
         max_attempts=3,
     )
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A Redis-protocol server (valkey) from the local stack, for Celery tests."""
+    from conveyor.stack.components import BinaryMissing
+    from conveyor.stack.manager import Stack, StackError, StackPorts
+
+    st = Stack(tmp_path_factory.mktemp("redis-stack"), StackPorts.from_base(free_port_block()))
+    try:
+        st.up(["redis"], timeout_s=30)
+    except (StackError, BinaryMissing) as exc:
+        service_unavailable(f"local stack redis did not start: {exc}")
+    yield st.endpoints()["redis"]
+    st.down(grace_s=3)
+
+
+def make_rollout_for(task, completion: str, sample_index: int = 0):
+    """A Rollout whose completion decodes (one token per byte) to ``completion``."""
+    from conveyor.contracts import Rollout, VersionSegment, float32_array, int32_array, rollout_id, uint8_array
+
+    ids = list(completion.encode())
+    return Rollout(
+        rollout_id=rollout_id(task.task_id, sample_index),
+        task_id=task.task_id,
+        run_id=task.run_id,
+        sample_index=sample_index,
+        group_size=task.group_size,
+        prompt_token_ids=int32_array([1, 2]),
+        completion_token_ids=int32_array(ids),
+        behaviour_logprobs=float32_array([-0.1] * len(ids)),
+        loss_mask=uint8_array([1] * len(ids)),
+        version_segments=[VersionSegment(start=0, end=len(ids), policy_version=0)],
+        task=task,
+    )
+
+
+def decode_bytes(ids) -> str:
+    return bytes(ids).decode()

@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from conveyor.cli import sandbox as sandbox_cli
+from conveyor.cli import serve as serve_cli
 from conveyor.cli import stack as stack_cli
 from conveyor.cli import topics as topics_cli
 
@@ -23,6 +25,8 @@ config_app = typer.Typer(help="Run configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(stack_cli.app, name="stack")
 app.add_typer(topics_cli.app, name="topics")
+app.add_typer(sandbox_cli.app, name="sandbox")
+app.add_typer(serve_cli.app, name="serve")
 
 
 @app.callback()

@@ -1,0 +1,102 @@
+"""``conveyor serve ROLE``: run one service of a distributed deployment.
+
+Each role reads the same run config (``--config``, env overrides with the
+``CONVEYOR_`` prefix), logs JSON lines, and stops cleanly on SIGTERM/SIGINT:
+it finishes what it holds, publishes, commits, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Run one service (role) of a distributed deployment.", no_args_is_help=True)
+CONFIG = typer.Option(..., "--config", "-c", exists=True, dir_okay=False, help="Run config (YAML).")
+
+
+def _load(config: Path, role: str):
+    from conveyor.config import load_run_config
+    from conveyor.errors import ConfigError
+    from conveyor.logging import configure_logging
+
+    try:
+        cfg = load_run_config(config)
+    except ConfigError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level)
+    return cfg
+
+
+async def _until_signalled(run, *args) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run(*args, stop)
+
+
+@app.command("reward-worker")
+def reward_worker(
+    config: Path = CONFIG,
+    concurrency: int = typer.Option(0, help="Pool processes (0: reward.worker_concurrency)."),
+    hostname: str = typer.Option("", help="Celery node name (default reward@<host>)."),
+) -> None:
+    """A Celery worker that scores rollouts in the sandbox (one task per rollout)."""
+    from reward.celery_app import run_worker
+    from reward.sandbox import Sandbox, SandboxUnavailable
+
+    cfg = _load(config, "reward-worker")
+    try:  # refuse to start where the sandbox cannot run, and say why
+        Sandbox(parallel=1, cgroups_mode=cfg.reward.cgroups).close()
+    except SandboxUnavailable as exc:
+        typer.secho(f"sandbox unavailable: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3)
+    run_worker(cfg, concurrency=concurrency or None, hostname=hostname or None, loglevel=cfg.logging.level.upper())
+
+
+@app.command("reward-bridge")
+def reward_bridge(
+    config: Path = CONFIG,
+    tokenizer: Path = typer.Option(..., "--tokenizer", exists=True, help="Model directory (or tokenizer.json) to decode completions."),
+    max_batch: int = typer.Option(256, min=1, help="Rollouts per poll."),
+) -> None:
+    """Rollouts topic -> Celery reward tasks -> scored topic (offsets committed after publishing)."""
+    from reward.bridge import RewardBridge
+    from reward.celery_app import make_app
+    from reward.scorers import CeleryScorer, LocalScorer
+    from reward.sandbox import Sandbox, SandboxLimits
+
+    from conveyor.topics import Topics
+    from conveyor.transport import open_transport
+
+    cfg = _load(config, "reward-bridge")
+    decode = _decoder(tokenizer)
+    if cfg.celery.type == "local":
+        r = cfg.reward
+        limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
+                               tmp_mb=r.tmp_mb, nproc=r.nproc)  # fmt: skip
+        scorer = LocalScorer(Sandbox(limits, cgroups_mode=r.cgroups))
+    else:
+        scorer = CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s)
+
+    async def main(stop: asyncio.Event) -> None:
+        transport = open_transport(cfg.transport)
+        bridge = RewardBridge(transport, Topics(cfg.run_id), scorer, decode, max_batch=max_batch)
+        try:
+            await bridge.run(stop)
+        finally:
+            await transport.close()
+            scorer.close()
+
+    asyncio.run(_until_signalled(main))
+
+
+def _decoder(path: Path):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+    return lambda ids: tok.decode(ids, skip_special_tokens=False)

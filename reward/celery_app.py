@@ -1,0 +1,162 @@
+"""The Celery side of the reward service: one task scores one rollout.
+
+Delivery guarantees, and why each setting is there:
+
+- ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acknowledged
+  only after it ran; a worker killed mid-task (OOM, kill -9, node loss)
+  leaves it unacknowledged and the broker hands it to another worker
+  (RabbitMQ at once when the connection drops; Redis after
+  ``visibility_timeout_s``).
+- ``worker_prefetch_multiplier = 1``: a worker reserves one task per process,
+  so a dead worker strands at most that many and slow programs don't pile
+  up behind each other.
+- soft and hard time limits, both below Redis's visibility timeout (checked
+  by the config), so a task is never running on two workers because the
+  broker thought it lost.
+- ``worker_max_tasks_per_child``: each pool process is replaced after that
+  many tasks (bounded growth of whatever leaks).
+- infrastructure failures (the sandbox did not report: bwrap failed, cgroup
+  creation failed, the soft time limit hit) are retried with exponential
+  backoff; the model's own failures (error, timeout, memory, ...) are
+  results, never retries.
+
+The task id is the rollout id, so a task executed twice stores one result
+under one id and the bridge publishes one ScoredRollout for it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import msgspec
+import structlog
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+
+from conveyor.config import RabbitMQBrokerConfig, RedisBrokerConfig, RewardConfig, RunConfig
+from conveyor.contracts import Task
+from conveyor.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+TASK_NAME = "conveyor.reward.score"
+
+
+class SandboxInfraError(RuntimeError):
+    """The sandbox could not run the program (not the program's fault): retried."""
+
+
+_sandbox = None
+_sandbox_lock = threading.Lock()
+
+
+def _worker_sandbox(reward: RewardConfig):
+    """One sandbox per pool process, created after the fork."""
+    global _sandbox
+    with _sandbox_lock:
+        if _sandbox is None:
+            from reward.sandbox import Sandbox, SandboxLimits
+
+            _sandbox = Sandbox(
+                SandboxLimits(
+                    timeout_s=reward.timeout_s,
+                    memory_mb=reward.memory_mb,
+                    max_output_bytes=reward.max_output_bytes,
+                    tmp_mb=reward.tmp_mb,
+                    nproc=reward.nproc,
+                ),
+                parallel=1,
+                cgroups_mode=reward.cgroups,
+            )
+            log.info("worker_sandbox_ready", pid=os.getpid(), cgroups=_sandbox.cgroup_version)
+        return _sandbox
+
+
+def verdict_to_dict(v) -> dict[str, Any]:
+    return {
+        "reward": v.reward,
+        "verdict": v.verdict,
+        "feedback": msgspec.to_builtins(v.feedback) if v.feedback is not None else None,
+        "details": dict(v.details),
+    }
+
+
+def make_app(cfg: RunConfig) -> Celery:
+    broker = cfg.celery
+    if isinstance(broker, RedisBrokerConfig):
+        backend = broker.result_backend or broker.url
+        transport_options = {
+            "visibility_timeout": broker.visibility_timeout_s,
+            # kombu sweeps for expired unacknowledged tasks every interval*throttle seconds
+            # (default ~100 s); sweep often enough that redelivery follows the timeout.
+            "unacked_restore_interval": max(1, min(10, broker.visibility_timeout_s // 4)),
+            "unacked_restore_throttle": 1,
+        }
+    elif isinstance(broker, RabbitMQBrokerConfig):
+        backend = broker.result_backend or "rpc://"
+        transport_options = {}
+    else:
+        raise ConfigError("celery.type is 'local': there is no broker to run Celery workers against")
+    reward = cfg.reward
+    app = Celery("conveyor-reward", broker=broker.url, backend=backend, set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_soft_time_limit=reward.soft_time_limit_s,
+        task_time_limit=reward.hard_time_limit_s,
+        worker_max_tasks_per_child=reward.max_tasks_per_child,
+        worker_concurrency=reward.worker_concurrency,
+        task_default_queue=reward.queue,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_expires=3600,
+        broker_transport_options=transport_options,
+        result_backend_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_store_errors_even_if_ignored=True,
+    )
+
+    @app.task(
+        name=TASK_NAME,
+        bind=True,
+        autoretry_for=(SandboxInfraError, SoftTimeLimitExceeded),
+        retry_backoff=1,
+        retry_backoff_max=30,
+        retry_jitter=True,
+        max_retries=reward.max_retries,
+    )
+    def score(self, task: dict, completion: str, rollout_id: str) -> dict[str, Any]:
+        from reward.verifiers import score_batch
+
+        t = msgspec.convert(task, Task)
+        [v] = score_batch(_worker_sandbox(reward), [(t, completion)])
+        if v.verdict == "infra":
+            raise SandboxInfraError(f"rollout {rollout_id}: the sandbox did not report a result")
+        log.info("scored", rollout_id=rollout_id, verdict=v.verdict, reward=v.reward, attempt=self.request.retries)
+        return verdict_to_dict(v)
+
+    app.conveyor_score = score  # type: ignore[attr-defined]
+    return app
+
+
+def run_worker(cfg: RunConfig, *, concurrency: int | None = None, hostname: str | None = None, loglevel: str = "INFO") -> None:
+    """Blocking: a Celery worker (prefork pool) consuming the reward queue."""
+    app = make_app(cfg)
+    argv = [
+        "worker",
+        "--pool=prefork",
+        f"--concurrency={concurrency or cfg.reward.worker_concurrency}",
+        f"--queues={cfg.reward.queue}",
+        f"--loglevel={loglevel}",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    ]
+    if hostname:
+        argv.append(f"--hostname={hostname}")
+    app.worker_main(argv=argv)

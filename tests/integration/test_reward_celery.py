@@ -1,0 +1,90 @@
+"""Reward scoring through Celery workers (real processes) on Redis and RabbitMQ,
+and the bridge publishing exactly one ScoredRollout per rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from celery_support import Worker, write_config
+from conftest import decode_bytes, make_rollout_for
+from conveyor.contracts import ScoredRollout, Task, VerifierSpec
+
+
+def T(task_id, kind, prompt="p", **data):
+    return Task(task_id=task_id, run_id="celery-it", prompt=prompt, group_size=2, verifier=VerifierSpec(kind=kind, data=data))
+
+
+@pytest.fixture(scope="module", params=["redis", "rabbitmq"])
+def celery_run(request, redis_url, tmp_path_factory):
+    from conveyor.config import load_run_config
+    from reward.celery_app import make_app
+
+    tmp = tmp_path_factory.mktemp(f"celery-{request.param}")
+    queue = f"it-{request.param}-{uuid.uuid4().hex[:6]}"
+    path = write_config(tmp / "run.yaml", request.param, redis_url, queue)
+    worker = Worker(path, f"w-{request.param}", tmp)
+    try:
+        worker.wait_for("ready")
+        app = make_app(load_run_config(path))
+        yield app, load_run_config(path)
+    finally:
+        worker.stop()
+
+
+def test_scores_every_verifier_kind(celery_run):
+    from reward.scorers import CeleryScorer
+
+    app, _ = celery_run
+    scorer = CeleryScorer(app, result_timeout_s=60)
+    items = [
+        (T("a", "math", answer="2"), r"\boxed{2}", f"a-{uuid.uuid4().hex}"),
+        (T("b", "python_tests", tests="assert f() == 1\n"), "def f():\n    return 1\n", f"b-{uuid.uuid4().hex}"),
+        (T("c", "python_tests", tests="assert f() == 1\n"), "def f():\n    return [][1]\n", f"c-{uuid.uuid4().hex}"),
+        (T("d", "python_program", prompt="x = 1\n"), "while True: pass\n", f"d-{uuid.uuid4().hex}"),
+        (None, "x", f"e-{uuid.uuid4().hex}"),
+    ]
+    got = [(v.reward, v.verdict) for v in asyncio.run(scorer.score(items))]
+    assert got == [(1.0, "pass"), (1.0, "pass"), (0.0, "fail"), (0.0, "timeout"), (0.0, "error")]
+
+
+async def _bridge_once(app, rollouts, deliveries_of_first: int = 2):
+    from conveyor.messaging import Publisher
+    from conveyor.topics import Topics
+    from conveyor.transport.memory import MemoryBroker, MemoryTransport
+    from reward.bridge import RewardBridge
+    from reward.scorers import CeleryScorer
+
+    transport = MemoryTransport(MemoryBroker(), partitions=2)
+    topics = Topics("celery-it")
+    await transport.create_topics(topics.specs(2))
+    producer = transport.producer()
+    await producer.start()
+    pub = Publisher(producer, topics.rollouts)
+    for r in rollouts + [rollouts[0]] * (deliveries_of_first - 1):  # the first one is delivered twice
+        await pub.publish_and_wait(r, r.task_id)
+    bridge = RewardBridge(transport, topics, CeleryScorer(app, result_timeout_s=90), decode_bytes)
+    stop = asyncio.Event()
+    stop.set()  # drain what is there, then return
+    await bridge.run(stop)
+    sub = transport.consumer([topics.scored], "check")
+    await sub.start()
+    records = []
+    for _ in range(10):
+        records += await sub.getmany(timeout_s=0.1)
+    await producer.close()
+    from conveyor.contracts import decode
+
+    return [decode(rec.value, ScoredRollout) for rec in records]
+
+
+def test_bridge_publishes_one_scored_rollout_per_rollout(celery_run):
+    app, _ = celery_run
+    task = T(f"g-{uuid.uuid4().hex[:8]}", "python_tests", tests="assert f() == 3\n")
+    rollouts = [make_rollout_for(task, "def f():\n    return 3\n", 0), make_rollout_for(task, "def f():\n    return 4\n", 1)]
+    scored = asyncio.run(_bridge_once(app, rollouts))
+    assert sorted((s.rollout_id, s.verdict) for s in scored) == sorted(
+        [(rollouts[0].rollout_id, "pass"), (rollouts[1].rollout_id, "fail")]
+    )
