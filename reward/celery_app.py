@@ -68,6 +68,7 @@ def _worker_sandbox(reward: RewardConfig):
                 ),
                 parallel=1,
                 cgroups_mode=reward.cgroups,
+                warm=True,  # one long-lived bwrap per pool process: ~5 ms per rollout instead of ~45
             )
             log.info("worker_sandbox_ready", pid=os.getpid(), cgroups=_sandbox.cgroup_version)
         return _sandbox

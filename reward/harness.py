@@ -414,9 +414,18 @@ def run_all(jobs, lim, bpf, parallel):
 
 
 def main():
-    request = json.load(sys.stdin)
     with open("/seccomp.bpf", "rb") as fh:
         bpf = fh.read()
+    if "--serve" in sys.argv:
+        # Warm mode: one request per line on stdin, one line of results per request.
+        for line in sys.stdin:
+            request = json.loads(line)
+            results = run_all(request["jobs"], request["limits"], bpf, int(request.get("parallel", 2)))
+            JOBS.clear()
+            sys.stdout.write(json.dumps(results) + "\n")
+            sys.stdout.flush()
+        return
+    request = json.load(sys.stdin)
     results = run_all(request["jobs"], request["limits"], bpf, int(request.get("parallel", 2)))
     for result in results:
         sys.stdout.write(json.dumps(result) + "\n")

@@ -53,9 +53,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -124,7 +126,15 @@ def _interpreter() -> str:
 
 
 class Sandbox:
-    """Executes batches of jobs; thread-safe (each batch is its own bwrap and cgroup)."""
+    """Executes batches of jobs; thread-safe.
+
+    Cold (default): each batch is its own bwrap launch and cgroup. Warm
+    (``warm=True``): one long-lived bwrap serves batches over a pipe (calls are
+    serialised; jobs still get fresh namespaces each), which is what a Celery
+    worker process scoring one rollout per task wants; it is restarted after
+    any failure. Workspace runs always launch cold (the overlay is mounted at
+    launch).
+    """
 
     def __init__(
         self,
@@ -132,6 +142,7 @@ class Sandbox:
         *,
         parallel: int | None = None,
         cgroups_mode: Literal["auto", "required", "off"] = "auto",
+        warm: bool = False,
     ) -> None:
         from conveyor.stack.components import BinaryMissing, bwrap_binary
 
@@ -143,9 +154,16 @@ class Sandbox:
         self.python = _interpreter()
         self.parallel = parallel or min(4, os.cpu_count() or 1)
         self.last_error: str | None = None
+        self.warm = warm
+        self.warm_starts = 0
+        self._warm_lock = threading.Lock()
+        self._warm_proc: subprocess.Popen | None = None
+        self._warm_cg: cgroups.Cgroup | None = None
+        self._warm_buf = b""
         self.last_batch_peak_mb: float | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="conveyor-sandbox-"))
         self._bpf = self._dir / "seccomp.bpf"
+        self._warm_tests = self._dir / "warm-tests"
         try:
             self._bpf.write_bytes(filter_bpf())
         except (ImportError, OSError, RuntimeError) as exc:
@@ -210,18 +228,8 @@ class Sandbox:
             why = self.last_error or r.stderr.strip()[:300]
             raise SandboxUnavailable(f"bwrap cannot run here (user namespaces disabled?): {why}")
 
-    def run(self, jobs: Sequence[Job], workspace: Workspace | None = None) -> list[ExecResult]:
-        """Run every job; results in input order. Never raises for the jobs' faults.
-
-        With a workspace, jobs run one after the other on it (a task's steps).
-        """
-        if not jobs:
-            return []
-        lim = self.limits
-        parallel = 1 if workspace is not None else self.parallel
-        batch = self._dir / uuid.uuid4().hex[:12]
-        tests_dir = None
-        specs = []
+    def _specs(self, jobs: Sequence[Job], workspace: Workspace | None, tests_root: Path) -> tuple[list[dict], list[Path]]:
+        specs, written = [], []
         for job in jobs:
             spec: dict = {"kind": job.kind, "cwd": "/workspace" if workspace is not None else "/w"}
             if job.kind == "command":
@@ -229,21 +237,49 @@ class Sandbox:
             else:
                 spec["source"] = job.source
             if job.tests is not None:
-                tests_dir = batch / "t"
-                name = uuid.uuid4().hex
-                (tests_dir / name).mkdir(parents=True)
-                (tests_dir / name / "test_task.py").write_text(job.tests)
+                name = uuid.uuid4().hex  # unguessable, and hidden from the job until its solution ran
+                (tests_root / name).mkdir(parents=True)
+                (tests_root / name / "test_task.py").write_text(job.tests)
                 spec["tests"] = {"dir": name, "file": "test_task.py", "style": job.test_style}
+                written.append(tests_root / name)
             specs.append(spec)
+        return specs, written
+
+    def _in_cgroup(self, argv: list[str], parallel: int) -> tuple[list[str], cgroups.Cgroup | None]:
+        if self._cgroups is None:
+            return argv, None
+        lim = self.limits
+        per_job = (lim.memory_mb + 2 * lim.tmp_mb) << 20
+        cg = self._cgroups.create(memory_bytes=parallel * per_job + (96 << 20), pids=parallel * (lim.nproc + 4) + 16)
+        # Join the cgroup before exec, so bwrap and everything under it is accounted.
+        script = 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f"; shift; done; shift; exec "$@"'
+        return ["/bin/sh", "-c", script, "sh", *cg.procs_files, "--", *argv], cg
+
+    @staticmethod
+    def _results(lines: list[str], n: int, elapsed: float) -> list[ExecResult]:
+        results = []
+        for i in range(n):
+            if i < len(lines):
+                results.append(ExecResult(**json.loads(lines[i])))
+            else:
+                results.append(ExecResult("infra", None, "", "the sandbox batch did not report this job", elapsed))
+        return results
+
+    def run(self, jobs: Sequence[Job], workspace: Workspace | None = None) -> list[ExecResult]:
+        """Run every job; results in input order. Never raises for the jobs' faults.
+
+        With a workspace, jobs run one after the other on it (a task's steps).
+        """
+        if not jobs:
+            return []
+        if self.warm and workspace is None:
+            return self._run_warm(jobs)
+        lim = self.limits
+        parallel = 1 if workspace is not None else self.parallel
+        batch = self._dir / uuid.uuid4().hex[:12]
+        specs, written = self._specs(jobs, workspace, batch / "t")
         request = {"jobs": specs, "limits": asdict(lim), "parallel": parallel}
-        argv = self._argv(tests_dir, workspace)
-        cg = None
-        if self._cgroups is not None:
-            per_job = (lim.memory_mb + 2 * lim.tmp_mb) << 20
-            cg = self._cgroups.create(memory_bytes=parallel * per_job + (96 << 20), pids=parallel * (lim.nproc + 4) + 16)
-            # Join the cgroup before exec, so bwrap and everything under it is accounted.
-            argv = ["/bin/sh", "-c", 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f"; shift; done; shift; exec "$@"',
-                    "sh", *cg.procs_files, "--", *argv]  # fmt: skip
+        argv, cg = self._in_cgroup(self._argv(batch / "t" if written else None, workspace), parallel)
         start = time.monotonic()
         rounds = math.ceil(len(jobs) / parallel)
         try:
@@ -262,14 +298,78 @@ class Sandbox:
                 self.last_batch_peak_mb = (cg.peak_memory_bytes() or 0) / 2**20
                 cg.remove()
             shutil.rmtree(batch, ignore_errors=True)
-        results = []
-        for i in range(len(jobs)):
-            if i < len(lines):
-                results.append(ExecResult(**json.loads(lines[i])))
-            else:
-                elapsed = time.monotonic() - start
-                results.append(ExecResult("infra", None, "", "the sandbox batch did not report this job", elapsed))
-        return results
+        return self._results(lines, len(jobs), time.monotonic() - start)
+
+    # -- warm mode: one long-lived bwrap, requests over a pipe ---------------
+
+    def _start_warm(self) -> None:
+        self._warm_tests.mkdir(exist_ok=True)
+        argv, self._warm_cg = self._in_cgroup(self._argv(self._warm_tests, None) + ["--serve"], self.parallel)
+        self._warm_proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+        self._warm_buf = b""
+        self.warm_starts += 1
+
+    def _stop_warm(self) -> None:
+        proc, self._warm_proc = self._warm_proc, None
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        if self._warm_cg is not None:
+            self._warm_cg.remove()
+            self._warm_cg = None
+
+    def _read_line(self, deadline: float) -> bytes | None:
+        proc = self._warm_proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._warm_buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self._warm_buf += chunk
+        line, _, self._warm_buf = self._warm_buf.partition(b"\n")
+        return line
+
+    def _run_warm(self, jobs: Sequence[Job]) -> list[ExecResult]:
+        lim = self.limits
+        start = time.monotonic()
+        with self._warm_lock:
+            specs, written = self._specs(jobs, None, self._warm_tests)
+            request = {"jobs": specs, "limits": asdict(lim), "parallel": self.parallel}
+            line = None
+            try:
+                if self._warm_proc is None or self._warm_proc.poll() is not None:
+                    self._stop_warm()
+                    self._start_warm()
+                assert self._warm_proc is not None and self._warm_proc.stdin is not None
+                self._warm_proc.stdin.write(json.dumps(request).encode() + b"\n")
+                self._warm_proc.stdin.flush()
+                line = self._read_line(start + lim.timeout_s * math.ceil(len(jobs) / self.parallel) + 30)
+            except (OSError, ValueError) as exc:
+                self.last_error = f"warm sandbox: {exc}"
+            finally:
+                for d in written:
+                    shutil.rmtree(d, ignore_errors=True)
+            if line is None:
+                err = b""
+                if self._warm_proc is not None and self._warm_proc.poll() is not None and self._warm_proc.stderr:
+                    err = self._warm_proc.stderr.read()[-500:]
+                self.last_error = f"warm sandbox did not answer: {err.decode(errors='replace').strip()}"
+                log.error("sandbox_warm_failed", error=self.last_error)
+                self._stop_warm()  # the next call starts a fresh one
+                return self._results([], len(jobs), time.monotonic() - start)
+        return self._results([json.dumps(r) for r in json.loads(line)], len(jobs), time.monotonic() - start)
 
     def run_batch(self, programs: list[str]) -> list[ExecResult]:
         """Run Python programs; identical ones once."""
@@ -278,6 +378,8 @@ class Sandbox:
         return [by_src[src] for src in programs]
 
     def close(self) -> None:
+        with self._warm_lock:
+            self._stop_warm()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

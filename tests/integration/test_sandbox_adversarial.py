@@ -17,14 +17,16 @@ import pytest
 from conftest import ROOT, service_unavailable
 
 
-@pytest.fixture(scope="module")
-def sandbox():
+@pytest.fixture(scope="module", params=["cold", "warm"])
+def sandbox(request):
+    """Every claim holds for a launch per batch (cold) and for a long-lived sandbox (warm)."""
     from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
     try:
         sb = Sandbox(
             SandboxLimits(timeout_s=1.5, memory_mb=128, max_output_bytes=2048, tmp_mb=8, nproc=32, file_mb=2),
             parallel=2,
+            warm=request.param == "warm",
         )
     except SandboxUnavailable as exc:
         service_unavailable(f"bubblewrap sandbox: {exc}")
@@ -42,7 +44,7 @@ def _host_state():
 
 
 @pytest.fixture(autouse=True)
-def host_unaffected():
+def host_unaffected(sandbox):  # after the sandbox is up; before it is closed
     before = _host_state()
     yield
     for _ in range(20):  # a killed tree takes a moment to be reaped
@@ -289,3 +291,17 @@ def test_cgroup_limits_the_batch_when_available(sandbox):
     finally:
         small.close()
     assert r.verdict == "pass", r
+
+
+def test_nothing_carries_over_to_the_next_job(sandbox):
+    """A warm sandbox serves job after job: the next one sees none of the last one's files or processes."""
+    first = run1(sandbox, (
+        "import os, subprocess\nopen('left.txt', 'w').write('x')\nopen('/tmp/left.txt', 'w').write('x')\n"
+        "open('/dev/shm/left', 'w').write('x')\nsubprocess.Popen(['/bin/sleep', '30'], start_new_session=True)\n"
+    ))  # fmt: skip
+    assert first.verdict == "pass", first
+    second = run1(sandbox, (
+        "import os\nseen = [p for p in ('left.txt', '/tmp/left.txt', '/dev/shm/left') if os.path.exists(p)]\n"
+        "print(seen, os.listdir('.'), os.listdir('/tmp'))\nassert not seen and os.getpid() == 2\n"
+    ))  # fmt: skip
+    assert second.verdict == "pass", second
