@@ -133,7 +133,7 @@ class CgroupFactory:
             self.parents = [ROOT / c / _own_path(c).lstrip("/") for c in ("memory", "pids")]
 
     def create(self, memory_bytes: int, pids: int) -> Cgroup:
-        name = PREFIX + uuid.uuid4().hex[:16]
+        name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the owner's pid: see sweep()
         dirs = [p / name for p in self.parents]
         for d in dirs:
             d.mkdir()
@@ -159,10 +159,24 @@ class CgroupFactory:
         return cg
 
     def sweep(self) -> int:
-        """Remove cgroups a crashed service left behind (empty ones only)."""
+        """Remove cgroups left behind by services that died (their owner pid is gone);
+        other live sandboxes' cgroups (sibling pool processes) are left alone."""
         removed = 0
         for parent in self.parents:
             for d in parent.glob(PREFIX + "*"):
+                owner = d.name[len(PREFIX) :].split("-")[0]
+                if owner.isdigit() and _alive(int(owner)):
+                    continue
                 Cgroup(self.version, [d]).remove()
                 removed += not d.exists()
         return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
