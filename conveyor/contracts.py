@@ -277,6 +277,7 @@ class ScoredRollout(Message, frozen=True, kw_only=True, tag="scored"):
     feedback: Feedback | None = None
     details: dict[str, float] = msgspec.field(default_factory=dict)
     scored_at: float = msgspec.field(default_factory=time.time)
+    completion_text: str | None = None  # the completion as the verifier read it (for the lake and humans)
 
     @property
     def rollout_id(self) -> str:

@@ -69,11 +69,13 @@ class GRPOLearner:
         group_timeout_s: float = 60.0,
         keep_versions: int = 3,
         group_id: str = "learner",
+        source=None,
     ) -> None:
         import torch
 
         self.transport = transport
         self.topics = topics
+        self.source = source  # storage.replay.ReplaySource, or None: the scored topic
         self.model = model
         self.pad_id = pad_id
         self.store = store
@@ -105,7 +107,8 @@ class GRPOLearner:
         async with ServiceClients(self.transport, self.topics.dead_letter, "learner") as io:
             weights_pub: Publisher[WeightsAnnouncement] = io.publisher(self.topics.weights)
             progress_pub: Publisher[LearnerProgress] = io.publisher(self.topics.progress)
-            sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
+            # A replay source (storage/replay.py) stands in for the scored topic when given.
+            sub = self.source or await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
             with (self.run_dir / "metrics.jsonl").open("a") as self.metrics_file:
                 await self._loop(stop, sub, weights_pub, progress_pub)
 

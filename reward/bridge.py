@@ -80,6 +80,7 @@ class RewardBridge:
         self.executions += len(rollouts)
         self.busy_s += time.monotonic() - start
         return [
-            ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback, details=v.details)  # type: ignore[arg-type]
-            for r, v in zip(rollouts, verdicts)
+            ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback, details=v.details,  # type: ignore[arg-type]
+                          completion_text=t)
+            for r, v, t in zip(rollouts, verdicts, texts)
         ]

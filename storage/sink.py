@@ -1,57 +1,34 @@
-"""Storage sink: scored topic -> Parquet objects in the trajectory lake.
+"""Storage sink: scored topic -> Parquet parts in the trajectory lake.
 
 Its own consumer group on the scored topic. Rows are buffered and flushed
-by count or age; each flush writes one Parquet object whose name is the
-hash of its rows' ids, under ``runs/<run>/lake/policy_version=<v>/``, with
-put-if-absent. Offsets are committed only after the object store confirmed
-the write: a crash re-reads and rewrites the same object (same name, same
-content), so the lake never holds a row twice from a replay of the same
-batch. (The full lake — manifest, replay, S3 outage handling — is issue #7.)
+by count or age (``storage/lake.py`` writes one part per oldest policy
+version, named by its contents, put-if-absent, then its manifest entry).
+Offsets are committed only after the object store confirmed every write of
+the flush. While the object store is down the sink retries the same flush
+with exponential backoff and does not poll (so it holds its position and
+its memory stays bounded); when the store is back the flush lands and the
+offsets are committed. A crash at any point re-reads the uncommitted rows;
+rewriting them is idempotent at the object level, and the reader returns
+each rollout once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
+import random
 import time
 
 import structlog
 
 from conveyor.contracts import ScoredRollout
+from conveyor.errors import RetryableError
 from conveyor.messaging import ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
+from storage.lake import write_parts
 from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
-
-
-def rows_to_parquet(rows: list[ScoredRollout]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.table(
-        {
-            "rollout_id": pa.array([r.rollout.rollout_id for r in rows], pa.string()),
-            "run_id": pa.array([r.rollout.run_id for r in rows], pa.string()),
-            "task_id": pa.array([r.rollout.task_id for r in rows], pa.string()),
-            "sample_index": pa.array([r.rollout.sample_index for r in rows], pa.int32()),
-            "policy_version": pa.array([r.rollout.min_policy_version for r in rows], pa.int32()),
-            "reward": pa.array([r.reward for r in rows], pa.float32()),
-            "verdict": pa.array([r.verdict for r in rows], pa.string()),
-            "prompt": pa.array([r.rollout.task.prompt if r.rollout.task else None for r in rows], pa.string()),
-            "prompt_token_ids": pa.array([r.rollout.prompt_token_ids.tolist() for r in rows], pa.list_(pa.int32())),
-            "completion_token_ids": pa.array([r.rollout.completion_token_ids.tolist() for r in rows], pa.list_(pa.int32())),
-            "behaviour_logprobs": pa.array([r.rollout.behaviour_logprobs.tolist() for r in rows], pa.list_(pa.float32())),
-            "finish_reason": pa.array([r.rollout.finish_reason for r in rows], pa.string()),
-            "generated_at": pa.array([r.rollout.timings.generation_finished_at for r in rows], pa.float64()),
-            "scored_at": pa.array([r.scored_at for r in rows], pa.float64()),
-        }
-    )
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    return buf.getvalue()
 
 
 class StorageSink:
@@ -64,6 +41,8 @@ class StorageSink:
         flush_rows: int = 512,
         flush_s: float = 5.0,
         group_id: str = "storage-sink",
+        backoff_max_s: float = 10.0,
+        give_up_after_s: float = 3600.0,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -71,7 +50,11 @@ class StorageSink:
         self.flush_rows = flush_rows
         self.flush_s = flush_s
         self.group_id = group_id
+        self.backoff_max_s = backoff_max_s
+        self.give_up_after_s = give_up_after_s
         self.rows_written = 0
+        self.flushes = 0
+        self.retries = 0
         self.objects: list[str] = []
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -87,23 +70,26 @@ class StorageSink:
                 buffer.extend(got)
                 due = len(buffer) >= self.flush_rows or (buffer and time.monotonic() - oldest >= self.flush_s)
                 if buffer and (due or (stopping and not got)):
-                    await self._flush([d.message for d in buffer])
+                    await self._flush_until_stored([d.message for d in buffer])
                     await sub.commit(buffer)
                     buffer = []
                 if stopping and not got and not buffer:
                     return
 
-    async def _flush(self, rows: list[ScoredRollout]) -> None:
-        # One row per rollout id (a redelivered rollout is the same rollout).
-        unique = {r.rollout_id: r for r in rows}.values()
-        by_version: dict[int, list[ScoredRollout]] = {}
-        for r in unique:
-            by_version.setdefault(r.rollout.min_policy_version, []).append(r)
-        for version, group in sorted(by_version.items()):
-            group.sort(key=lambda r: r.rollout_id)
-            digest = hashlib.sha256("\n".join(r.rollout_id for r in group).encode()).hexdigest()[:24]
-            key = f"runs/{self.topics.run_id}/lake/policy_version={version}/part-{digest}.parquet"
-            data = await asyncio.to_thread(rows_to_parquet, group)
-            await asyncio.to_thread(self.store.put_if_absent, key, data)
-            self.objects.append(key)
-            self.rows_written += len(group)
+    async def _flush_until_stored(self, rows: list[ScoredRollout]) -> None:
+        delay, started = 0.25, time.monotonic()
+        while True:
+            try:
+                parts = await asyncio.to_thread(write_parts, self.store, self.topics.run_id, rows)
+                break
+            except RetryableError as exc:  # the object store is unreachable: hold position, retry
+                self.retries += 1
+                if time.monotonic() - started > self.give_up_after_s:
+                    raise
+                log.warning("lake_write_retry", rows=len(rows), retry_in_s=round(delay, 2), error=str(exc)[:200])
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.backoff_max_s)
+        self.flushes += 1
+        self.rows_written += sum(p.rows for p in parts)
+        self.objects += [p.key for p in parts]
+        log.info("lake_flush", rows=sum(p.rows for p in parts), parts=len(parts))

@@ -1,0 +1,407 @@
+"""The trajectory lake: scored rollouts as Parquet in the object store.
+
+Key layout (all under one run)::
+
+    runs/<run>/lake/policy_version=<v>/part-<h>.parquet   rows of one flush with that (oldest) version
+    runs/<run>/lake/_manifest/part-<h>.json                the part's key, size, sha256 and column stats
+    runs/<run>/meta/run.json                               run metadata (config, commit, created)
+    runs/<run>/weights/v<version>/model.safetensors        policy versions (the learner)
+
+``<h>`` is the sha256 of the part's sorted rollout ids: the same batch
+written twice has the same name, and ``put_if_absent`` keeps one object.
+A part is written before its manifest entry; the reader treats the parts as
+the source of truth and uses manifest stats only to skip parts.
+
+Columns are typed (ids, run, task, policy versions, reward, verdict, token
+ids as ``list<int32>``, logprobs as ``list<float32>``, loss mask, texts,
+timings); nested structures (version segments, turns, task, feedback,
+details) are JSON strings. A row converts back to the exact
+``ScoredRollout`` it came from (:func:`rows_from_table`).
+
+Readers deduplicate by ``rollout_id``: a sink killed between writing a part
+and committing its offsets rewrites those rows, possibly grouped into a
+different part, and the reader returns each rollout once (first part in
+key order wins).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from conveyor.contracts import (
+    Feedback,
+    Rollout,
+    ScoredRollout,
+    Task,
+    Timings,
+    Turn,
+    VersionSegment,
+)
+from storage.objectstore import ObjectNotFound, ObjectStore, sha256_hex
+
+SCHEMA = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("run_id", pa.string()),
+        ("task_id", pa.string()),
+        ("sample_index", pa.int32()),
+        ("attempt", pa.int32()),
+        ("group_size", pa.int32()),
+        ("policy_version_min", pa.int32()),
+        ("policy_version_max", pa.int32()),
+        ("reward", pa.float64()),
+        ("verdict", pa.string()),
+        ("finish_reason", pa.string()),
+        ("split", pa.string()),
+        ("prompt_text", pa.string()),
+        ("completion_text", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("completion_token_ids", pa.list_(pa.int32())),
+        ("behaviour_logprobs", pa.list_(pa.float32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("version_segments_json", pa.string()),
+        ("turns_json", pa.string()),
+        ("task_json", pa.string()),
+        ("feedback_json", pa.string()),
+        ("details_json", pa.string()),
+        ("task_received_at", pa.float64()),
+        ("generation_started_at", pa.float64()),
+        ("generation_finished_at", pa.float64()),
+        ("rollout_created_at", pa.float64()),
+        ("scored_at", pa.float64()),
+        ("created_at", pa.float64()),
+        ("schema_version", pa.int16()),
+    ]
+)
+_json = msgspec.json.Encoder()
+
+
+def lake_prefix(run_id: str) -> str:
+    return f"runs/{run_id}/lake/"
+
+
+def part_key(run_id: str, policy_version: int, rollout_ids: Sequence[str]) -> str:
+    digest = hashlib.sha256("\n".join(sorted(rollout_ids)).encode()).hexdigest()[:32]
+    return f"{lake_prefix(run_id)}policy_version={policy_version}/part-{digest}.parquet"
+
+
+def manifest_key(part: str) -> str:
+    run_prefix, _, rest = part.partition("/lake/")
+    return f"{run_prefix}/lake/_manifest/{rest.rsplit('/', 1)[-1].removesuffix('.parquet')}.json"
+
+
+def _list_array(views: list[memoryview], dtype, arrow_type) -> pa.ListArray:
+    lengths = np.fromiter((len(v) for v in views), dtype=np.int32, count=len(views))
+    offsets = np.zeros(len(views) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.frombuffer(b"".join(views), dtype=dtype) if views else np.zeros(0, dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=arrow_type))
+
+
+def table_from_rows(rows: Sequence[ScoredRollout]) -> pa.Table:
+    rs = [s.rollout for s in rows]
+    tasks = [r.task for r in rs]
+    cols = {
+        "rollout_id": [r.rollout_id for r in rs],
+        "run_id": [r.run_id for r in rs],
+        "task_id": [r.task_id for r in rs],
+        "sample_index": [r.sample_index for r in rs],
+        "attempt": [r.attempt for r in rs],
+        "group_size": [r.group_size for r in rs],
+        "policy_version_min": [r.min_policy_version for r in rs],
+        "policy_version_max": [max((seg.policy_version for seg in r.version_segments), default=0) for r in rs],
+        "reward": [s.reward for s in rows],
+        "verdict": [s.verdict for s in rows],
+        "finish_reason": [r.finish_reason for r in rs],
+        "split": [t.split if t else None for t in tasks],
+        "prompt_text": [(t.prompt if t.prompt is not None else _json.encode(t.messages).decode()) if t else None for t in tasks],
+        "completion_text": [s.completion_text for s in rows],
+        "version_segments_json": [_json.encode(r.version_segments).decode() for r in rs],
+        "turns_json": [_json.encode(r.turns).decode() if r.turns else None for r in rs],
+        "task_json": [_json.encode(t).decode() if t else None for t in tasks],
+        "feedback_json": [_json.encode(s.feedback).decode() if s.feedback else None for s in rows],
+        "details_json": [_json.encode(s.details).decode() if s.details else None for s in rows],
+        "task_received_at": [r.timings.task_received_at for r in rs],
+        "generation_started_at": [r.timings.generation_started_at for r in rs],
+        "generation_finished_at": [r.timings.generation_finished_at for r in rs],
+        "rollout_created_at": [r.created_at for r in rs],
+        "scored_at": [s.scored_at for s in rows],
+        "created_at": [s.created_at for s in rows],
+        "schema_version": [s.schema_version for s in rows],
+    }
+    arrays = []
+    for field in SCHEMA:
+        if field.name == "prompt_token_ids":
+            arrays.append(_list_array([r.prompt_token_ids for r in rs], np.int32, pa.int32()))
+        elif field.name == "completion_token_ids":
+            arrays.append(_list_array([r.completion_token_ids for r in rs], np.int32, pa.int32()))
+        elif field.name == "behaviour_logprobs":
+            arrays.append(_list_array([r.behaviour_logprobs for r in rs], np.float32, pa.float32()))
+        elif field.name == "loss_mask":
+            arrays.append(_list_array([r.loss_mask for r in rs], np.uint8, pa.uint8()))
+        else:
+            arrays.append(pa.array(cols[field.name], type=field.type))
+    return pa.Table.from_arrays(arrays, schema=SCHEMA)
+
+
+def parquet_bytes(rows: Sequence[ScoredRollout]) -> bytes:
+    """Deterministic for the same rows in the same order (no timestamps in the file)."""
+    buf = io.BytesIO()
+    pq.write_table(table_from_rows(rows), buf, compression="zstd", write_statistics=True)
+    return buf.getvalue()
+
+
+def _split_lists(col: pa.ChunkedArray, dtype) -> list[memoryview]:
+    arr = col.combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    raw = memoryview(values.tobytes())
+    width = np.dtype(dtype).itemsize
+    fmt = {np.int32: "i", np.float32: "f", np.uint8: "B"}[dtype]
+    return [raw[offsets[i] * width : offsets[i + 1] * width].cast(fmt) for i in range(len(arr))]
+
+
+def rows_from_table(table: pa.Table) -> list[ScoredRollout]:
+    """The exact ScoredRollouts a table was written from."""
+    n = table.num_rows
+    c = {name: table.column(name).to_pylist() for name in table.column_names if not name.endswith("token_ids")
+         and name not in ("behaviour_logprobs", "loss_mask")}  # fmt: skip
+    prompt_ids = _split_lists(table.column("prompt_token_ids"), np.int32)
+    completion_ids = _split_lists(table.column("completion_token_ids"), np.int32)
+    logprobs = _split_lists(table.column("behaviour_logprobs"), np.float32)
+    masks = _split_lists(table.column("loss_mask"), np.uint8)
+    seg_dec = msgspec.json.Decoder(list[VersionSegment])
+    turns_dec = msgspec.json.Decoder(list[Turn])
+    task_dec = msgspec.json.Decoder(Task)
+    fb_dec = msgspec.json.Decoder(Feedback)
+    details_dec = msgspec.json.Decoder(dict[str, float])
+    out = []
+    for i in range(n):
+        rollout = Rollout(
+            rollout_id=c["rollout_id"][i],
+            task_id=c["task_id"][i],
+            run_id=c["run_id"][i],
+            sample_index=c["sample_index"][i],
+            attempt=c["attempt"][i],
+            group_size=c["group_size"][i],
+            prompt_token_ids=prompt_ids[i],
+            completion_token_ids=completion_ids[i],
+            behaviour_logprobs=logprobs[i],
+            loss_mask=masks[i],
+            version_segments=seg_dec.decode(c["version_segments_json"][i]),
+            turns=turns_dec.decode(c["turns_json"][i]) if c["turns_json"][i] else [],
+            finish_reason=c["finish_reason"][i],
+            timings=Timings(
+                task_received_at=c["task_received_at"][i],
+                generation_started_at=c["generation_started_at"][i],
+                generation_finished_at=c["generation_finished_at"][i],
+            ),
+            task=task_dec.decode(c["task_json"][i]) if c["task_json"][i] else None,
+            created_at=c["rollout_created_at"][i],
+            schema_version=c["schema_version"][i],
+        )
+        out.append(
+            ScoredRollout(
+                rollout=rollout,
+                reward=c["reward"][i],
+                verdict=c["verdict"][i],
+                feedback=fb_dec.decode(c["feedback_json"][i]) if c["feedback_json"][i] else None,
+                details=details_dec.decode(c["details_json"][i]) if c["details_json"][i] else {},
+                scored_at=c["scored_at"][i],
+                completion_text=c["completion_text"][i],
+                created_at=c["created_at"][i],
+                schema_version=c["schema_version"][i],
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------
+# writing
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    key: str
+    rows: int
+    size: int
+    sha256: str
+    policy_version_min: int
+    policy_version_max: int
+    reward_min: float
+    reward_max: float
+    scored_at_min: float
+    scored_at_max: float
+    verdicts: dict[str, int]
+
+
+def write_parts(store: ObjectStore, run_id: str, rows: Sequence[ScoredRollout]) -> list[PartInfo]:
+    """One part per oldest policy version, rows sorted by rollout id, one row per id.
+
+    Idempotent: the same rows give the same keys and bytes; an existing part is kept.
+    Raises the store's errors (``ObjectStoreUnavailable`` while S3 is down)."""
+    unique = {r.rollout_id: r for r in rows}
+    by_version: dict[int, list[ScoredRollout]] = {}
+    for r in unique.values():
+        by_version.setdefault(r.rollout.min_policy_version, []).append(r)
+    parts = []
+    for version, group in sorted(by_version.items()):
+        group.sort(key=lambda r: r.rollout_id)
+        key = part_key(run_id, version, [r.rollout_id for r in group])
+        data = parquet_bytes(group)
+        store.put_if_absent(key, data)
+        verdicts: dict[str, int] = {}
+        for r in group:
+            verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
+        info = PartInfo(
+            key=key,
+            rows=len(group),
+            size=len(data),
+            sha256=sha256_hex(data),
+            policy_version_min=version,
+            policy_version_max=max(max((s.policy_version for s in r.rollout.version_segments), default=0) for r in group),
+            reward_min=min(r.reward for r in group),
+            reward_max=max(r.reward for r in group),
+            scored_at_min=min(r.scored_at for r in group),
+            scored_at_max=max(r.scored_at for r in group),
+            verdicts=verdicts,
+        )
+        store.put(manifest_key(key), json.dumps(info.__dict__, sort_keys=True).encode())
+        parts.append(info)
+    return parts
+
+
+# --------------------------------------------------------------------------
+# reading
+
+
+@dataclass(frozen=True)
+class LakeFilter:
+    """Which rollouts to read; every bound is inclusive, None means unbounded."""
+
+    policy_version_min: int | None = None
+    policy_version_max: int | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    verdicts: frozenset[str] | None = None
+    scored_after: float | None = None
+    scored_before: float | None = None
+
+    def admits_part(self, m: dict) -> bool:
+        def overlaps(lo, hi, a, b):
+            return (lo is None or b >= lo) and (hi is None or a <= hi)
+
+        return (
+            overlaps(self.policy_version_min, self.policy_version_max, m["policy_version_min"], m["policy_version_min"])
+            and overlaps(self.reward_min, self.reward_max, m["reward_min"], m["reward_max"])
+            and overlaps(self.scored_after, self.scored_before, m["scored_at_min"], m["scored_at_max"])
+            and (self.verdicts is None or bool(self.verdicts & set(m["verdicts"])))
+        )
+
+    def admits(self, s: ScoredRollout) -> bool:
+        v = s.rollout.min_policy_version
+
+        def within(lo, hi, x):
+            return (lo is None or x >= lo) and (hi is None or x <= hi)
+
+        return (
+            within(self.policy_version_min, self.policy_version_max, v)
+            and within(self.reward_min, self.reward_max, s.reward)
+            and within(self.scored_after, self.scored_before, s.scored_at)
+            and (self.verdicts is None or s.verdict in self.verdicts)
+        )
+
+
+def _version_of(key: str) -> int:
+    return int(key.split("/policy_version=", 1)[1].split("/", 1)[0])
+
+
+class LakeReader:
+    """Reads a run's lake: the same filter yields the same rollouts in the same order
+    (parts by (policy version, key), rows by rollout id), each rollout once."""
+
+    def __init__(self, store: ObjectStore, run_id: str, *, prefetch: int = 4) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.prefetch = prefetch
+
+    def manifest(self) -> dict[str, dict]:
+        out = {}
+        for info in self.store.list(f"{lake_prefix(self.run_id)}_manifest/"):
+            try:
+                m = json.loads(self.store.get(info.key))
+            except (ObjectNotFound, ValueError):
+                continue
+            out[m["key"]] = m
+        return out
+
+    def parts(self, flt: LakeFilter | None = None) -> list[str]:
+        flt = flt or LakeFilter()
+        manifest = self.manifest()
+        keys = [
+            i.key
+            for i in self.store.list(lake_prefix(self.run_id) + "policy_version=")
+            if i.key.endswith(".parquet")
+        ]
+        keep = []
+        for key in keys:
+            m = manifest.get(key)
+            v = _version_of(key)
+            if m is not None and not flt.admits_part(m):
+                continue
+            if m is None and not (
+                (flt.policy_version_min is None or v >= flt.policy_version_min)
+                and (flt.policy_version_max is None or v <= flt.policy_version_max)
+            ):
+                continue
+            keep.append(key)
+        return sorted(keep, key=lambda k: (_version_of(k), k))
+
+    def _load(self, key: str) -> list[ScoredRollout]:
+        return rows_from_table(pq.read_table(io.BytesIO(self.store.get(key))))
+
+    def __call__(self, flt: LakeFilter | None = None) -> Iterator[ScoredRollout]:
+        return self.iter(flt)
+
+    def iter(self, flt: LakeFilter | None = None) -> Iterator[ScoredRollout]:
+        flt = flt or LakeFilter()
+        keys = self.parts(flt)
+        seen: set[str] = set()
+        with ThreadPoolExecutor(max(1, self.prefetch)) as pool:
+            futures = [pool.submit(self._load, k) for k in keys[: self.prefetch]]
+            for i in range(len(keys)):
+                rows = futures[i].result()
+                if i + self.prefetch < len(keys):
+                    futures.append(pool.submit(self._load, keys[i + self.prefetch]))
+                futures[i] = None  # type: ignore[call-overload]
+                for s in rows:
+                    if s.rollout_id in seen or not flt.admits(s):
+                        continue
+                    seen.add(s.rollout_id)
+                    yield s
+
+    def stats(self) -> dict:
+        manifest = self.manifest()
+        rows = sum(m["rows"] for m in manifest.values())
+        verdicts: dict[str, int] = {}
+        for m in manifest.values():
+            for k, v in m["verdicts"].items():
+                verdicts[k] = verdicts.get(k, 0) + v
+        versions = [m["policy_version_min"] for m in manifest.values()]
+        return {
+            "parts": len(manifest),
+            "rows": rows,
+            "bytes": sum(m["size"] for m in manifest.values()),
+            "policy_versions": [min(versions), max(versions)] if versions else None,
+            "verdicts": verdicts,
+        }
