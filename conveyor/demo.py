@@ -234,6 +234,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     from reward.sandbox import Sandbox, SandboxLimits
     from rollout_workers.reference_engine import ReferenceEngine
     from storage.objectstore import LocalObjectStore
+    from storage.runs import upload_run_files, write_run_meta
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -244,7 +245,11 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     run_id = cfg.run_id or f"demo-{'sync' if cfg.sync else 'async'}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (cfg.out_dir / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), "out_dir": str(cfg.out_dir), "run_id": run_id}, indent=2))
+    config = {**asdict(cfg), "out_dir": str(cfg.out_dir), "run_id": run_id}
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    # One object store for every run under out_dir, so `conveyor runs list` sees them all.
+    store = LocalObjectStore(Path(cfg.out_dir).resolve() / "objects")
+    write_run_meta(store, run_id, config, mode="demo")
     display = display or (lambda ctx, elapsed: None)
 
     if cfg.engine != "reference":
@@ -269,7 +274,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     ctx: dict = {
         "run_id": run_id,
         "run_dir": run_dir,
-        "store": LocalObjectStore(run_dir / "objects"),
+        "store": store,
         "model": learner_model,
         "pad_id": tokenizer.pad_token_id,
         "engine": engine,
@@ -292,7 +297,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     from conveyor.report import write_report
 
     write_report(run_dir)
-    return DemoResult(
+    result = DemoResult(
         run_dir=run_dir,
         heldout_start=start_rate,
         heldout_end=ctx["evals"][-1]["pass_rate"],
@@ -306,6 +311,10 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         max_staleness=max(learner.staleness) if learner.staleness else 0,
         swaps=ctx["worker"].swaps,
     )
+    summary = {k: v for k, v in asdict(result).items() if k not in ("run_dir", "evals")}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    upload_run_files(store, run_id, [run_dir / n for n in ("metrics.jsonl", "eval.jsonl", "report.png", "summary.json")])
+    return result
 
 
 def make_display(console_is_tty: bool):

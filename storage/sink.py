@@ -15,7 +15,9 @@ each rollout once.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 
 import structlog
@@ -89,6 +91,8 @@ class StorageSink:
                 log.warning("lake_write_retry", rows=len(rows), retry_in_s=round(delay, 2), error=str(exc)[:200])
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.backoff_max_s)
+        if os.environ.get("CONVEYOR_FAILPOINT") == "sink_after_write":  # chaos tests: die between write and commit
+            os.kill(os.getpid(), signal.SIGKILL)
         self.flushes += 1
         self.rows_written += sum(p.rows for p in parts)
         self.objects += [p.key for p in parts]

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from conveyor.cli import runs as runs_cli
 from conveyor.cli import sandbox as sandbox_cli
 from conveyor.cli import serve as serve_cli
 from conveyor.cli import stack as stack_cli
@@ -27,6 +28,8 @@ app.add_typer(stack_cli.app, name="stack")
 app.add_typer(topics_cli.app, name="topics")
 app.add_typer(sandbox_cli.app, name="sandbox")
 app.add_typer(serve_cli.app, name="serve")
+app.add_typer(runs_cli.app, name="runs")
+app.command("replay")(runs_cli.replay)
 
 
 @app.callback()

@@ -100,3 +100,29 @@ def _decoder(path: Path):
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
     return lambda ids: tok.decode(ids, skip_special_tokens=False)
+
+
+@app.command("storage-sink")
+def storage_sink(
+    config: Path = CONFIG,
+    flush_rows: int = typer.Option(512, min=1, help="Flush after this many rollouts..."),
+    flush_s: float = typer.Option(5.0, min=0.05, help="...or when the oldest buffered one is this old."),
+) -> None:
+    """Scored topic -> trajectory lake (Parquet in the object store); offsets committed after the store confirms."""
+    from conveyor.topics import Topics
+    from conveyor.transport import open_transport
+    from storage.objectstore import open_object_store
+    from storage.sink import StorageSink
+
+    cfg = _load(config, "storage-sink")
+
+    async def main(stop: asyncio.Event) -> None:
+        transport = open_transport(cfg.transport)
+        store = await asyncio.to_thread(open_object_store, cfg.object_store)
+        sink = StorageSink(transport, Topics(cfg.run_id), store, flush_rows=flush_rows, flush_s=flush_s)
+        try:
+            await sink.run(stop)
+        finally:
+            await transport.close()
+
+    asyncio.run(_until_signalled(main))

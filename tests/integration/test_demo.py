@@ -36,7 +36,7 @@ def test_every_rollout_was_scored_and_stored_exactly_once(demo):
     assert demo.steps >= 60
     assert demo.published_rollouts > 0
     assert demo.scored_rollouts == demo.published_rollouts
-    files = sorted((demo.run_dir / "objects" / "runs" / "ci-demo" / "lake").rglob("*.parquet"))
+    files = sorted((demo.run_dir.parent / "objects" / "runs" / "ci-demo" / "lake").rglob("*.parquet"))
     assert files, "nothing in the lake"
     ids = [i for f in files for i in pq.read_table(f, columns=["rollout_id"]).column("rollout_id").to_pylist()]
     assert len(ids) == len(set(ids)) == demo.published_rollouts == demo.lake_rows
@@ -48,7 +48,7 @@ def test_weights_advanced_and_the_worker_swapped(demo):
     assert demo.swaps >= 10
     rows = [json.loads(line) for line in (demo.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["version"] == demo.steps
-    weights = list((demo.run_dir / "objects" / "runs" / "ci-demo" / "weights").rglob("model.safetensors"))
+    weights = list((demo.run_dir.parent / "objects" / "runs" / "ci-demo" / "weights").rglob("model.safetensors"))
     assert 1 <= len(weights) <= 3, "old versions were not pruned"
 
 
@@ -70,3 +70,20 @@ def test_report_and_run_directory(demo):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     for name in ("config.json", "metrics.jsonl", "eval.jsonl", "model/config.json", "model/tokenizer.json"):
         assert (demo.run_dir / name).exists(), name
+
+
+def test_the_run_can_be_inspected_and_replayed(demo):
+    from storage.lake import LakeFilter, LakeReader
+    from storage.objectstore import LocalObjectStore
+    from storage.runs import list_runs, show_run
+
+    store = LocalObjectStore(demo.run_dir.parent / "objects")
+    assert "ci-demo" in [r["run_id"] for r in list_runs(store)]
+    info = show_run(store, "ci-demo")
+    assert info["meta"]["config"]["seed"] == 0 and info["meta"]["commit"]
+    assert info["lake"]["rows"] == demo.lake_rows and info["weight_versions"]
+    assert {"run.json", "metrics.jsonl", "eval.jsonl", "report.png", "summary.json"} <= set(info["files"])
+    rows = list(LakeReader(store, "ci-demo").iter())
+    assert len(rows) == demo.lake_rows and all(r.completion_text is not None for r in rows)
+    passing = list(LakeReader(store, "ci-demo").iter(LakeFilter(verdicts=frozenset({"pass"}))))
+    assert passing and all(r.reward == 1.0 for r in passing)

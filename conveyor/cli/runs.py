@@ -1,0 +1,104 @@
+"""``conveyor runs list|show`` and ``conveyor replay``: runs after the fact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="Runs kept in the object store: list them, show one.", no_args_is_help=True)
+CONFIG = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="Run config naming the object store.")
+STORE = typer.Option(Path("runs/objects"), "--store", help="A local object-store directory (when no --config); the demo's default.")
+
+
+def open_store(config: Optional[Path], store: Path):
+    from storage.objectstore import LocalObjectStore, open_object_store
+
+    if config is not None:
+        from conveyor.config import load_run_config
+        from conveyor.errors import ConfigError
+
+        try:
+            return open_object_store(load_run_config(config).object_store)
+        except ConfigError as exc:
+            typer.secho(str(exc), fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+    if not store.is_dir():
+        typer.secho(f"no object store at {store} (run `conveyor demo` first, or pass --config/--store)", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    return LocalObjectStore(store)
+
+
+@app.command("list")
+def list_(config: Optional[Path] = CONFIG, store: Path = STORE, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Every run with objects in the store."""
+    from storage.runs import list_runs
+
+    runs = list_runs(open_store(config, store))
+    if as_json:
+        typer.echo(json.dumps(runs, indent=2))
+        return
+    for r in runs:
+        created = r.get("created_at")
+        when = "" if created is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+        typer.echo(f"{r['run_id']:<40} {when:<20} {r['objects']:>6} objects {r['bytes'] / 2**20:>9.1f} MiB")
+
+
+@app.command("show")
+def show(run: str = typer.Argument(...), config: Optional[Path] = CONFIG, store: Path = STORE) -> None:
+    """A run's metadata, end figures, lake statistics and weight versions (JSON)."""
+    from storage.runs import show_run
+
+    typer.echo(json.dumps(show_run(open_store(config, store), run), indent=2, default=str))
+
+
+def replay(
+    run: str = typer.Argument(..., help="Run id."),
+    to_topic: Optional[str] = typer.Option(None, "--to-topic", help="Re-publish to this topic (transport from --config)."),
+    rate: Optional[float] = typer.Option(None, "--rate", min=0.001, help="At most this many rollouts per second."),
+    export: Optional[str] = typer.Option(None, "--export", help="jsonl | parquet"),
+    out: Optional[Path] = typer.Option(None, "--out", help="File to export to."),
+    version_min: Optional[int] = typer.Option(None, "--version-min"),
+    version_max: Optional[int] = typer.Option(None, "--version-max"),
+    reward_min: Optional[float] = typer.Option(None, "--reward-min"),
+    reward_max: Optional[float] = typer.Option(None, "--reward-max"),
+    verdict: Optional[list[str]] = typer.Option(None, "--verdict", help="Repeatable: pass, fail, error, ..."),
+    since: Optional[float] = typer.Option(None, "--since", help="Scored at or after (unix seconds)."),
+    until: Optional[float] = typer.Option(None, "--until", help="Scored at or before (unix seconds)."),
+    config: Optional[Path] = CONFIG,
+    store: Path = STORE,
+) -> None:
+    """Replay a run's trajectories from the lake, in a deterministic order, to a topic or a file."""
+    from storage.lake import LakeFilter, LakeReader
+    from storage.replay import export as export_rows
+    from storage.replay import replay_to_topic
+
+    if (to_topic is None) == (export is None):
+        raise typer.BadParameter("give exactly one of --to-topic or --export")
+    flt = LakeFilter(version_min, version_max, reward_min, reward_max, frozenset(verdict) if verdict else None, since, until)
+    reader = LakeReader(open_store(config, store), run)
+    if export is not None:
+        if export not in ("jsonl", "parquet"):
+            raise typer.BadParameter("jsonl or parquet", param_hint="--export")
+        target = out or Path(f"{run}.{export}")
+        n = export_rows(reader, flt, export, target)
+        typer.echo(f"exported {n} rollouts to {target}")
+        return
+    if config is None:
+        raise typer.BadParameter("--to-topic needs --config (it names the transport)")
+    from conveyor.config import load_run_config
+    from conveyor.transport import open_transport
+
+    transport = open_transport(load_run_config(config).transport)
+
+    async def main() -> int:
+        try:
+            return await replay_to_topic(reader, flt, transport, to_topic, rate_per_s=rate)
+        finally:
+            await transport.close()
+
+    typer.echo(f"published {asyncio.run(main())} rollouts to {to_topic}")

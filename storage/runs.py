@@ -1,0 +1,95 @@
+"""Run metadata in the object store, so a run can be inspected after the fact.
+
+    runs/<run>/meta/run.json        config, code commit, host, start time (written at start)
+    runs/<run>/meta/summary.json    end figures (written at the end)
+    runs/<run>/meta/<file>          metrics.jsonl, eval.jsonl, report.png, ...
+    runs/<run>/lake/...             trajectories (storage/lake.py)
+    runs/<run>/weights/v<N>/...     policy versions (the learner)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from storage.lake import LakeReader
+from storage.objectstore import ObjectNotFound, ObjectStore
+
+
+def code_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def write_run_meta(store: ObjectStore, run_id: str, config: dict, **extra) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("conveyor")
+    except PackageNotFoundError:
+        ver = None
+    meta = {
+        "run_id": run_id,
+        "created_at": time.time(),
+        "commit": code_commit(),
+        "conveyor_version": ver,
+        "host": platform.node(),
+        "config": config,
+        **extra,
+    }
+    store.put(f"runs/{run_id}/meta/run.json", json.dumps(meta, indent=2, default=str).encode())
+
+
+def upload_run_files(store: ObjectStore, run_id: str, files: list[Path]) -> list[str]:
+    keys = []
+    for f in files:
+        if f.exists():
+            key = f"runs/{run_id}/meta/{f.name}"
+            store.put_file(key, f)
+            keys.append(key)
+    return keys
+
+
+def list_runs(store: ObjectStore) -> list[dict]:
+    runs: dict[str, dict] = {}
+    for info in store.list("runs/"):
+        parts = info.key.split("/")
+        if len(parts) < 3:
+            continue
+        run = runs.setdefault(parts[1], {"run_id": parts[1], "objects": 0, "bytes": 0, "last_modified": 0.0})
+        run["objects"] += 1
+        run["bytes"] += info.size
+        if info.key.endswith("/meta/run.json"):
+            try:
+                run["created_at"] = json.loads(store.get(info.key)).get("created_at")
+            except (ObjectNotFound, ValueError):
+                pass
+    return sorted(runs.values(), key=lambda r: (r.get("created_at") or 0, r["run_id"]))
+
+
+def show_run(store: ObjectStore, run_id: str) -> dict:
+    def get_json(name: str):
+        try:
+            return json.loads(store.get(f"runs/{run_id}/meta/{name}"))
+        except (ObjectNotFound, ValueError):
+            return None
+
+    weights = sorted(
+        {int(i.key.split("/weights/v", 1)[1].split("/", 1)[0]) for i in store.list(f"runs/{run_id}/weights/")}
+    )
+    meta_files = sorted(i.key.rsplit("/", 1)[1] for i in store.list(f"runs/{run_id}/meta/"))
+    return {
+        "run_id": run_id,
+        "meta": get_json("run.json"),
+        "summary": get_json("summary.json"),
+        "lake": LakeReader(store, run_id).stats(),
+        "weight_versions": weights,
+        "files": meta_files,
+    }
