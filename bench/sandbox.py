@@ -20,13 +20,18 @@ Ends with ``FIGURE sandbox_exec_ratio <v> x`` (batched), ``FIGURE sandbox_warm_s
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Import from the repository root, not bench/ (bench/storage.py would shadow the `storage` package).
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import statistics
 import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 
 def bare(n: int, concurrency: int) -> float:

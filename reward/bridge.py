@@ -52,13 +52,16 @@ class RewardBridge:
         async with ServiceClients(self.transport, self.topics.dead_letter, "reward-bridge") as io:
             publisher: Publisher[ScoredRollout] = io.publisher(self.topics.scored)
             sub = await io.subscribe([self.topics.rollouts], self.group_id, Rollout)
+            quiet = 0  # consecutive empty polls
             while True:
                 stopping = stop.is_set()
                 deliveries = await sub.poll(timeout_s=0.2, max_records=self.max_batch)
                 if not deliveries:
-                    if stopping:
-                        return  # drained: everything published upstream is scored
+                    quiet += 1
+                    if stopping and quiet >= 3:
+                        return  # drained: the topic stayed quiet for 3 polls after the stop
                     continue
+                quiet = 0
                 fresh = {d.message.rollout_id: d.message for d in deliveries if d.message.rollout_id not in self._seen}
                 scored = await self._score(list(fresh.values()))  # a rollout delivered twice is scored once
                 futures = [await publisher.publish(s, s.rollout.task_id) for s in scored]

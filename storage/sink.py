@@ -4,7 +4,8 @@ Its own consumer group on the scored topic. Rows are buffered and flushed
 by count or age (``storage/lake.py`` writes one part per oldest policy
 version, named by its contents, put-if-absent, then its manifest entry).
 Offsets are committed only after the object store confirmed every write of
-the flush. While the object store is down the sink retries the same flush
+the flush (one flush runs in the background while the next batch is read;
+commits stay in order). While the object store is down the sink retries the same flush
 with exponential backoff and does not poll (so it holds its position and
 its memory stays bounded); when the store is back the flush lands and the
 offsets are committed. A crash at any point re-reads the uncommitted rows;
@@ -31,6 +32,7 @@ from storage.lake import write_parts
 from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
+DRAINED_AFTER_EMPTY_POLLS = 3  # stopping: drained once the topic stayed quiet this many polls (0.6 s)
 
 
 class StorageSink:
@@ -58,25 +60,53 @@ class StorageSink:
         self.flushes = 0
         self.retries = 0
         self.objects: list[str] = []
+        self.first_record_at: float | None = None  # monotonic: first record polled (throughput figures)
+        self.last_flush_at: float | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Consume, flush, commit; one flush in flight while the next batch is read.
+
+        Commits stay in order: a batch's offsets are committed only after its own
+        write and every earlier one completed."""
         async with ServiceClients(self.transport, self.topics.dead_letter, "storage-sink") as io:
             sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
-            buffer = []
+            buffer: list = []
+            inflight: tuple[asyncio.Task, list] | None = None
             oldest = time.monotonic()
-            while True:
-                stopping = stop.is_set()
-                got = await sub.poll(timeout_s=0.2, max_records=1024)
-                if got and not buffer:
-                    oldest = time.monotonic()
-                buffer.extend(got)
-                due = len(buffer) >= self.flush_rows or (buffer and time.monotonic() - oldest >= self.flush_s)
-                if buffer and (due or (stopping and not got)):
-                    await self._flush_until_stored([d.message for d in buffer])
-                    await sub.commit(buffer)
-                    buffer = []
-                if stopping and not got and not buffer:
-                    return
+            quiet = 0  # consecutive empty polls
+
+            async def settle() -> None:
+                nonlocal inflight
+                if inflight is not None:
+                    task, deliveries = inflight
+                    inflight = None
+                    await task  # raises if the store stayed down past give_up_after_s: nothing committed
+                    await sub.commit(deliveries)
+
+            try:
+                while True:
+                    stopping = stop.is_set()
+                    got = await sub.poll(timeout_s=0.2, max_records=1024)
+                    quiet = 0 if got else quiet + 1
+                    if got and self.first_record_at is None:
+                        self.first_record_at = time.monotonic()
+                    if got and not buffer:
+                        oldest = time.monotonic()
+                    buffer.extend(got)
+                    due = len(buffer) >= self.flush_rows or (buffer and time.monotonic() - oldest >= self.flush_s)
+                    if buffer and (due or (stopping and not got)):
+                        await settle()
+                        rows = [d.message for d in buffer]
+                        inflight = (asyncio.create_task(self._flush_until_stored(rows)), buffer)
+                        buffer = []
+                    if inflight is not None and (inflight[0].done() or len(buffer) >= self.flush_rows):
+                        await settle()  # hold at most one flush in flight and one batch buffered
+                    if stopping and quiet >= DRAINED_AFTER_EMPTY_POLLS and not buffer:
+                        await settle()
+                        return
+            finally:
+                if inflight is not None and not inflight[0].done():
+                    inflight[0].cancel()
 
     async def _flush_until_stored(self, rows: list[ScoredRollout]) -> None:
         delay, started = 0.25, time.monotonic()
@@ -94,6 +124,7 @@ class StorageSink:
         if os.environ.get("CONVEYOR_FAILPOINT") == "sink_after_write":  # chaos tests: die between write and commit
             os.kill(os.getpid(), signal.SIGKILL)
         self.flushes += 1
+        self.last_flush_at = time.monotonic()
         self.rows_written += sum(p.rows for p in parts)
         self.objects += [p.key for p in parts]
         log.info("lake_flush", rows=sum(p.rows for p in parts), parts=len(parts))

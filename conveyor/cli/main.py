@@ -14,6 +14,7 @@ from conveyor.cli import sandbox as sandbox_cli
 from conveyor.cli import serve as serve_cli
 from conveyor.cli import stack as stack_cli
 from conveyor.cli import topics as topics_cli
+from conveyor.cli import train as train_cli
 
 app = typer.Typer(
     name="conveyor",
@@ -30,6 +31,7 @@ app.add_typer(sandbox_cli.app, name="sandbox")
 app.add_typer(serve_cli.app, name="serve")
 app.add_typer(runs_cli.app, name="runs")
 app.command("replay")(runs_cli.replay)
+app.add_typer(train_cli.app, name="train")
 
 
 @app.callback()

@@ -1,0 +1,146 @@
+"""Trajectory lake throughput, in one run against the local stack (tansu + SeaweedFS).
+
+1. Sink: N scored rollouts of 2,048 completion tokens are published to the
+   scored topic first; then the storage sink (the service's own code:
+   consume, decode, Parquet, put-if-absent to S3, manifest, commit) is timed
+   until every rollout is in the lake. Reported in rollouts/s, against the
+   demo's rollout rate (``--demo-rate``, the steady rate `conveyor demo`
+   reports; measured in the same session, see docs/BENCHMARKS.md).
+2. Replay: the lake's parts are read back as ``ScoredRollout`` objects by
+   ``LakeReader.iter`` (GET + Parquet decode + struct construction, 4 parts
+   in flight) and as Arrow tables by ``LakeReader.iter_tables`` (GET +
+   Parquet decode + filter/dedupe), against raw boto3 GETs of the same
+   objects with the same concurrency (bytes only, nothing decoded).
+
+    python bench/storage.py [--n 4000] [--tokens 2048] [--rounds 3] [--demo-rate 650]
+
+Ends with ``FIGURE sink_rollouts_per_s``, ``FIGURE sink_vs_demo_ratio`` and ``FIGURE replay_vs_raw_ratio``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Import from the repository root, not bench/ (bench/storage.py would shadow the `storage` package).
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+
+def make_rows(run_id: str, n: int, tokens: int):
+    import numpy as np
+
+    from conveyor.contracts import Rollout, ScoredRollout, Task, VersionSegment, float32_array, int32_array, uint8_array
+
+    rng = np.random.default_rng(0)
+    task = Task(task_id="t", run_id=run_id, prompt="x" * 200, group_size=8)
+    rows = []
+    for i in range(n):
+        ids = rng.integers(0, 32000, tokens, dtype=np.int32)
+        lps = (-rng.exponential(1.0, tokens)).astype(np.float32)
+        r = Rollout(
+            rollout_id=f"{run_id}-{i}", task_id=f"t{i // 8}", run_id=run_id, sample_index=i % 8, group_size=8,
+            prompt_token_ids=int32_array(range(64)), completion_token_ids=int32_array(ids),
+            behaviour_logprobs=float32_array(lps), loss_mask=uint8_array(np.ones(tokens, np.uint8)),
+            version_segments=[VersionSegment(start=0, end=tokens, policy_version=i // 1000)], task=task,
+        )  # fmt: skip
+        rows.append(ScoredRollout(rollout=r, reward=float(i % 2), verdict="pass" if i % 2 else "fail", completion_text="y" * 400))
+    return rows
+
+
+async def sink_rate(kafka_cfg, store, run_id: str, rows) -> float:
+    from conveyor.messaging import Publisher
+    from conveyor.topics import Topics
+    from conveyor.transport.kafka import KafkaTransport
+    from storage.sink import StorageSink
+
+    topics = Topics(run_id)
+    transport = KafkaTransport(kafka_cfg)
+    await transport.create_topics(topics.specs(kafka_cfg.partitions))
+    producer = transport.producer()
+    await producer.start()
+    pub = Publisher(producer, topics.scored)
+    futs = [await pub.publish(r, r.rollout.task_id) for r in rows]
+    await asyncio.gather(*futs)
+    await producer.close()
+    sink = StorageSink(transport, topics, store, flush_rows=512, flush_s=1.0)
+    stop = asyncio.Event()
+    stop.set()  # drain what is there, then return
+    await sink.run(stop)
+    await transport.close()
+    assert sink.rows_written == len(rows), (sink.rows_written, len(rows))
+    # Steady state: first record polled to last part stored (the group join before it is not throughput).
+    return len(rows) / (sink.last_flush_at - sink.first_record_at)
+
+
+def replay_rates(store, run_id: str, rounds: int, prefetch: int = 4) -> tuple[list[float], list[float], list[float]]:
+    from storage.lake import LakeReader
+
+    reader = LakeReader(store, run_id, prefetch=prefetch)
+    keys = reader.parts()
+    client, bucket = store._client, store.bucket
+    ours, tables, raw = [], [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        n = sum(1 for _ in reader.iter())
+        ours.append(n / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        assert sum(t.num_rows for t in reader.iter_tables()) == n
+        tables.append(n / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(prefetch) as pool:
+            sizes = list(pool.map(lambda k: len(client.get_object(Bucket=bucket, Key=store._key(k))["Body"].read()), keys))
+        raw.append(n / (time.perf_counter() - t0))
+        assert sum(sizes) > 0
+    return ours, tables, raw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=4000)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--demo-rate", type=float, default=650.0, help="rollouts/s of `conveyor demo` (its display)")
+    args = ap.parse_args()
+
+    from conveyor.config import KafkaTransportConfig, S3StoreConfig
+    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
+    from conveyor.stack.manager import Stack, StackPorts, free_port_block
+    from storage.objectstore import S3ObjectStore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = Stack(tmp, StackPorts.from_base(free_port_block()))
+        stack.up(["kafka", "s3"], timeout_s=90)
+        try:
+            ep = stack.endpoints()
+            kafka_cfg = KafkaTransportConfig(bootstrap_servers=ep["kafka"], partitions=4)
+            store = S3ObjectStore(S3StoreConfig(endpoint_url=ep["s3"], bucket="bench", access_key_id=LOCAL_S3_ACCESS_KEY,
+                                                secret_access_key=LOCAL_S3_SECRET_KEY))  # fmt: skip
+            run_id = f"bench-{uuid.uuid4().hex[:6]}"
+            rows = make_rows(run_id, args.n, args.tokens)
+            size = sum(len(r.rollout.completion_token_ids) for r in rows) * 9 / len(rows)
+            print(f"{args.n} rollouts of {args.tokens} tokens (~{size / 1024:.0f} KiB of arrays each)")
+            rate = asyncio.run(sink_rate(kafka_cfg, store, run_id, rows))
+            print(f"sink: {rate:.0f} rollouts/s")
+            ours, tables, raw = replay_rates(store, run_id, args.rounds)
+            for o, t, r in zip(ours, tables, raw):
+                print(f"replay round: LakeReader.iter {o:.0f} rollouts/s, .iter_tables {t:.0f} rollouts/s, raw boto3 GET {r:.0f} rollouts/s")
+            o, t, r = statistics.median(ours), statistics.median(tables), statistics.median(raw)
+            print(f"FIGURE sink_rollouts_per_s {rate:.0f} per_s")
+            print(f"FIGURE sink_vs_demo_ratio {rate / args.demo_rate:.2f} x")
+            print(f"FIGURE replay_rollouts_per_s {o:.0f} per_s")
+            print(f"FIGURE replay_vs_raw_ratio {o / r:.2f} x")
+            print(f"FIGURE replay_tables_vs_raw_ratio {t / r:.2f} x")
+        finally:
+            stack.down(grace_s=3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""``conveyor train rft|dpo``: offline post-training from a run's lake."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from conveyor.cli.runs import CONFIG, STORE, open_store
+
+app = typer.Typer(help="Offline recipes that train from the trajectory lake.", no_args_is_help=True)
+MODEL = typer.Option(..., "--model", exists=True, file_okay=False, help="Starting model (HF directory with its tokenizer).")
+OUT = typer.Option(..., "--out", help="Where to save the trained model (HF format).")
+
+
+def _load(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model, tok
+
+
+def _save(model, tok, out: Path, stats: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "offline_stats.json").write_text(json.dumps(stats, indent=2))
+    typer.echo(json.dumps(stats, indent=2))
+
+
+@app.command("rft")
+def rft(
+    run: str = typer.Argument(..., help="Run whose lake to train on."),
+    model: Path = MODEL,
+    out: Path = OUT,
+    epochs: int = typer.Option(2, min=1),
+    batch_size: int = typer.Option(32, min=1),
+    lr: float = typer.Option(1e-4, min=0.0),
+    config: Optional[Path] = CONFIG,
+    store: Path = STORE,
+) -> None:
+    """Rejection-sampling SFT: train on the run's passing trajectories."""
+    from learner.offline import rejection_sampling_sft
+    from storage.lake import LakeFilter, LakeReader
+
+    m, tok = _load(model)
+    rows = LakeReader(open_store(config, store), run).iter(LakeFilter(verdicts=frozenset({"pass"})))
+    _save(m, tok, out, rejection_sampling_sft(m, rows, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr))
+
+
+@app.command("dpo")
+def dpo(
+    run: str = typer.Argument(..., help="Run whose lake to train on."),
+    model: Path = MODEL,
+    out: Path = OUT,
+    epochs: int = typer.Option(1, min=1),
+    batch_size: int = typer.Option(16, min=1),
+    lr: float = typer.Option(5e-5, min=0.0),
+    beta: float = typer.Option(0.1, min=0.0),
+    pairs_per_group: int = typer.Option(4, min=1),
+    config: Optional[Path] = CONFIG,
+    store: Path = STORE,
+) -> None:
+    """DPO on pairs built inside groups (higher reward chosen, lower rejected)."""
+    from learner.offline import dpo_pairs, train_dpo
+    from storage.lake import LakeReader
+
+    m, tok = _load(model)
+    pairs = dpo_pairs(LakeReader(open_store(config, store), run).iter(), max_pairs_per_group=pairs_per_group)
+    _save(m, tok, out, train_dpo(m, pairs, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr, beta=beta))
