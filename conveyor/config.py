@@ -200,6 +200,33 @@ class RewardConfig(_Section):
         return self
 
 
+class LearnerConfig(_Section):
+    """The learner's batching, objective and durability."""
+
+    batch_groups: int = Field(16, ge=1)
+    """Complete groups per training step."""
+    max_lag: int = Field(1, ge=0)
+    """Samples more than this many policy versions old are dropped (and counted)."""
+    lr: float = Field(5e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    group_timeout_s: float = Field(60.0, gt=0)
+    """A group still incomplete after this long is dropped (and counted)."""
+    keep_versions: int = Field(3, ge=1)
+    checkpoint_every: int = Field(10, ge=0)
+    """Steps between checkpoints (0: none; offsets are then committed every step)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    max_importance_weight: float = Field(5.0, ge=1)
+    std_normalise: bool = True
+    aggregation: Literal["token", "sequence"] = "token"
+    objective: Literal["behaviour", "decoupled", "on_policy"] = "behaviour"
+    """behaviour: PPO-clip against the behaviour logprobs (truncated IS); decoupled: clip around the
+    proximal (current) policy, weight by pi_prox / pi_behaviour; on_policy: no off-policy correction."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty against the frozen starting policy (0: off)."""
+
+
 # --------------------------------------------------------------------------
 # cross-cutting
 
@@ -234,6 +261,7 @@ class RunConfig(BaseSettings):
     object_store: ObjectStoreConfig = Field(default_factory=LocalStoreConfig)
     celery: CeleryBrokerConfig = Field(default_factory=LocalExecutorConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -47,6 +47,7 @@ class DemoConfig:
     batch_groups: int = 16
     group_size: int = 8
     max_lag: int = 1
+    objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     lr: float = 5e-4
     heldout_size: int = 100
     eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs
@@ -125,8 +126,11 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     from reward.bridge import RewardBridge
     from reward.scorers import LocalScorer
     from rollout_workers.worker import RolloutWorker
+    from learner.grpo import LossConfig
     from storage.sink import StorageSink
 
+    if cfg.objective not in ("behaviour", "decoupled", "on_policy"):
+        raise ValueError(f"unknown objective {cfg.objective!r}: behaviour, decoupled or on_policy")
     topics = Topics(ctx["run_id"])
     transport = MemoryTransport(partitions=4)
     await transport.create_topics(topics.specs(4))
@@ -140,7 +144,8 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     bridge = RewardBridge(transport, topics, LocalScorer(ctx["sandbox"]), ctx["engine"].decode)
     learner = GRPOLearner(
         transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
-        run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr,
+        run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr, checkpoint_every=25,
+        loss=LossConfig(objective=cfg.objective),
     )
     sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)

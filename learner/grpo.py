@@ -3,11 +3,29 @@
 - Advantages: ``r - mean(group)``, optionally divided by the group's std.
   Groups with zero reward variance carry no signal and are dropped
   (dynamic sampling); the caller counts them.
-- Objective: PPO-clip against the *behaviour* logprobs carried in each
-  rollout (the policy that actually sampled), with asymmetric clipping
-  (clip-higher: ``eps_high >= eps_low``) and a truncated importance weight
-  cap for stale samples; token-level aggregation (every trained token
-  weighs the same) or sequence-level (every sequence weighs the same).
+- Objectives (``LossConfig.objective``):
+
+  ``behaviour`` (default): PPO-clip with the ratio taken against the
+  *behaviour* logprobs carried in each rollout (the policy that actually
+  sampled), the unclipped branch's importance weight truncated at
+  ``max_importance_weight``.
+
+  ``decoupled`` (AReaL's decoupled PPO): the learner first recomputes
+  *proximal* logprobs with its current weights (no gradient); the clip is
+  taken on ``π_θ / π_prox`` (a trust region around the current policy,
+  however stale the sample), and the off-policy correction is the
+  truncated weight ``π_prox / π_behaviour``.
+
+  ``on_policy``: every sample is treated as if the current policy had
+  generated it (ratio against itself: the plain policy gradient). The
+  baseline for lag 0, and the "no correction" arm of the staleness study.
+
+- Asymmetric clipping (clip-higher: ``clip_high >= clip_low``); token-level
+  aggregation (every trained token weighs the same) or sequence-level
+  (every sequence weighs the same).
+- Optional KL penalty against a frozen reference model (``kl_coef``, the
+  k3 estimator ``exp(ref − new) − (ref − new) − 1`` per token); the policy's
+  entropy is reported.
 """
 
 from __future__ import annotations
@@ -24,6 +42,8 @@ class LossConfig:
     max_importance_weight: float = 5.0
     std_normalise: bool = True
     aggregation: str = "token"  # "token" | "sequence"
+    objective: str = "behaviour"  # "behaviour" | "decoupled" | "on_policy"
+    kl_coef: float = 0.0
 
 
 def group_advantages(rewards: list[float], std_normalise: bool = True, eps: float = 1e-6) -> list[float] | None:
@@ -38,8 +58,13 @@ def group_advantages(rewards: list[float], std_normalise: bool = True, eps: floa
     return centred.tolist()
 
 
-def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> list[torch.Tensor]:
-    """log p(completion token | prefix) under ``model``, one tensor per sequence."""
+def completion_logprobs(
+    model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, entropy: list | None = None
+) -> list[torch.Tensor]:
+    """log p(completion token | prefix) under ``model``, one tensor per sequence.
+
+    With ``entropy`` (a list), the mean entropy of the policy over the
+    completion tokens is appended to it (no gradient)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -48,7 +73,15 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logsm = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    if entropy is not None:
+        with torch.no_grad():
+            ent = -(logsm.exp() * logsm).sum(-1)
+            sel = torch.zeros_like(ent, dtype=torch.bool)
+            for i, (p, c) in enumerate(zip(prompts, completions)):
+                sel[i, len(p) - 1 : len(p) - 1 + len(c)] = True
+            entropy.append(float(ent[sel].mean()) if sel.any() else 0.0)
     out = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         out.append(logp[i, len(p) - 1 : len(p) - 1 + len(c)])
@@ -61,19 +94,50 @@ def clipped_pg_loss(
     advantages: list[float],
     loss_masks: list[torch.Tensor],
     cfg: LossConfig,
+    proximal_logprobs: list[torch.Tensor] | None = None,
+    reference_logprobs: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The PPO-clip objective (to minimise) and its statistics."""
+    """The clipped objective of ``cfg.objective`` (to minimise) and its statistics.
+
+    ``proximal_logprobs`` (no gradient) are required by ``decoupled``;
+    ``reference_logprobs`` by ``kl_coef > 0``."""
+    if cfg.objective == "decoupled" and proximal_logprobs is None:
+        raise ValueError("the decoupled objective needs proximal logprobs")
+    if cfg.kl_coef > 0 and reference_logprobs is None:
+        raise ValueError("kl_coef > 0 needs reference logprobs")
     per_seq = []
     total_tokens = 0
     ratios = []
     clipped = 0
-    for new, old, adv, mask in zip(new_logprobs, behaviour_logprobs, advantages, loss_masks):
-        ratio = torch.exp(new - old)
-        ratios.append(ratio.detach())
-        weight = ratio.clamp(max=cfg.max_importance_weight)
-        unclipped = weight * adv
-        clip = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
-        tok_loss = -torch.minimum(unclipped, clip) * mask
+    kls = []
+    for k, (new, old, adv, mask) in enumerate(zip(new_logprobs, behaviour_logprobs, advantages, loss_masks)):
+        if cfg.objective == "behaviour":
+            ratio = torch.exp(new - old)
+            ratios.append(ratio.detach())
+            unclipped = ratio.clamp(max=cfg.max_importance_weight) * adv
+            clip = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
+            tok_obj = torch.minimum(unclipped, clip)
+        elif cfg.objective == "decoupled":
+            prox = proximal_logprobs[k]  # type: ignore[index]
+            ratio = torch.exp(new - prox)
+            behaviour_weight = torch.exp(prox - old).clamp(max=cfg.max_importance_weight)
+            ratios.append(torch.exp(prox - old).detach())
+            unclipped = ratio * adv
+            clip = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
+            tok_obj = behaviour_weight * torch.minimum(unclipped, clip)
+        elif cfg.objective == "on_policy":
+            ratio = torch.exp(new - new.detach())
+            ratios.append(torch.exp(new - old).detach())  # reported, not used
+            unclipped = clip = ratio * adv
+            tok_obj = unclipped
+        else:
+            raise ValueError(f"unknown objective {cfg.objective!r}")
+        tok_loss = -tok_obj * mask
+        if cfg.kl_coef > 0:
+            delta = reference_logprobs[k] - new  # type: ignore[index]
+            kl = torch.exp(delta) - delta - 1
+            tok_loss = tok_loss + cfg.kl_coef * kl * mask
+            kls.append((kl.detach() * mask).sum() / max(float(mask.sum()), 1.0))
         clipped += int(((unclipped > clip) & (mask > 0)).sum())
         per_seq.append(tok_loss)
         total_tokens += int(mask.sum())
@@ -88,4 +152,6 @@ def clipped_pg_loss(
         "clip_fraction": clipped / max(total_tokens, 1),
         "tokens": float(total_tokens),
     }
+    if kls:
+        stats["kl"] = float(torch.stack(kls).mean())
     return loss, stats

@@ -15,18 +15,26 @@ step is one readable function (``_train_step``).
   under a versioned key and announced on the weights topic; old versions
   beyond ``keep_versions`` are deleted. Progress (samples consumed, version)
   goes to the progress topic for admission control.
-- Offsets: the committed position of each partition is the oldest record
-  not yet trained on (or dropped), so a crash re-reads what was pending and
-  never skips it; rollout ids already trained on are skipped.
-
-Not yet (issue #6): checkpoints with optimizer/RNG/offsets, the decoupled
-PPO objective, KL penalty, packing, FSDP.
+- Offsets: the position of each partition is the oldest record not yet
+  trained on (or dropped), so a crash re-reads what was pending and never
+  skips it; rollout ids already trained on are skipped.
+- Checkpoints (``checkpoint_every`` steps, ``learner/checkpoint.py``): model,
+  optimizer, scheduler, RNG, step, version, positions and the ids trained
+  on, written atomically to the object store. With checkpoints on, offsets
+  are committed to the broker only after a checkpoint (so the broker never
+  runs ahead of durable state) and a restarted learner resumes from the
+  newest checkpoint: it seeks to the checkpoint's positions, skips ids the
+  checkpoint trained on, and re-trains the steps after it, so in the final
+  model's lineage every rollout is trained on exactly once. Policy versions
+  stay monotonic across a restart (it continues after the newest version
+  in the object store).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -70,11 +78,18 @@ class GRPOLearner:
         keep_versions: int = 3,
         group_id: str = "learner",
         source=None,
+        checkpoint_every: int = 0,
+        keep_checkpoints: int = 2,
+        warmup_steps: int = 0,
     ) -> None:
         import torch
 
         self.transport = transport
         self.topics = topics
+        if loss.kl_coef > 0:  # the reference is the policy as it starts (before any step)
+            import copy
+
+            self._initial_model = copy.deepcopy(model).eval()
         self.source = source  # storage.replay.ReplaySource, or None: the scored topic
         self.model = model
         self.pad_id = pad_id
@@ -87,6 +102,13 @@ class GRPOLearner:
         self.keep_versions = keep_versions
         self.group_id = group_id
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        warm = max(1, warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.resumed_from: int | None = None  # step of the checkpoint this process resumed from
+        self._position: dict[TopicPartition, int] = {}  # next offset to read per partition (checkpointed)
+        self.trained_log: list[str] = []  # ids trained on, in order (checkpointed; the exactly-once ledger)
         self.version = 0
         self.published_version = 0  # the newest version in the object store and announced
         self.published_key: str | None = None
@@ -107,8 +129,15 @@ class GRPOLearner:
         async with ServiceClients(self.transport, self.topics.dead_letter, "learner") as io:
             weights_pub: Publisher[WeightsAnnouncement] = io.publisher(self.topics.weights)
             progress_pub: Publisher[LearnerProgress] = io.publisher(self.topics.progress)
+            if self.checkpoint_every:
+                await asyncio.to_thread(self.resume)
             # A replay source (storage/replay.py) stands in for the scored topic when given.
-            sub = self.source or await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
+            sub = self.source or await io.subscribe(
+                [self.topics.scored], self.group_id, ScoredRollout, on_assigned=self._seek_to_checkpoint
+            )
+            self._sub = sub
+            if self.source is None:  # partitions assigned before the callback could see `sub`
+                await self._seek_to_checkpoint(set(sub.consumer.assignment()))
             with (self.run_dir / "metrics.jsonl").open("a") as self.metrics_file:
                 await self._loop(stop, sub, weights_pub, progress_pub)
 
@@ -133,8 +162,14 @@ class GRPOLearner:
                 ),
                 key=self.topics.run_id,
             )
-            await sub.commit_offsets(self._safe_offsets())
+            self._position.update(self._safe_offsets())
+            if not self.checkpoint_every:
+                await sub.commit_offsets(dict(self._position))
+            elif self.step % self.checkpoint_every == 0:
+                await self.checkpoint(sub)
             self._record(stats)
+        if self.checkpoint_every and self.step != self.resumed_from:
+            await self.checkpoint(sub)  # a clean stop leaves nothing to re-train
 
     # -------------------------------------------------------------- batching
     def _add(self, d: Delivery[ScoredRollout]) -> None:
@@ -224,18 +259,30 @@ class GRPOLearner:
                 masks.append(_tensor(r.loss_mask, torch.uint8).float())
                 advantages.append(a)
                 self.trained_ids.add(r.rollout_id)
+                self.trained_log.append(r.rollout_id)
         self.staleness.update(step_staleness)
         stats: dict = {"loss": None, "importance_mean": None, "importance_max": None, "clip_fraction": None}
         tokens = 0
         if prompts:
+            prox = ref = None
+            if self.loss_cfg.objective == "decoupled":
+                with torch.no_grad():  # the proximal policy: current weights, before this update
+                    self.model.eval()
+                    prox = completion_logprobs(self.model, prompts, completions, self.pad_id)
+            if self.loss_cfg.kl_coef > 0:
+                with torch.no_grad():
+                    ref = completion_logprobs(self._reference_model(), prompts, completions, self.pad_id)
             self.model.train()
-            new = completion_logprobs(self.model, prompts, completions, self.pad_id)
-            loss, st = clipped_pg_loss(new, behaviour, advantages, masks, self.loss_cfg)
+            entropy: list[float] = []
+            new = completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy)
+            loss, st = clipped_pg_loss(new, behaviour, advantages, masks, self.loss_cfg, prox, ref)
+            st["entropy"] = entropy[0]
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
-            stats.update(st, loss=float(loss.detach()), grad_norm=float(grad_norm))
+            self.scheduler.step()
+            stats.update(st, loss=float(loss.detach()), grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
             tokens = int(st["tokens"])
         self.step += 1
         elapsed = time.monotonic() - t0
@@ -250,6 +297,16 @@ class GRPOLearner:
             step_s=elapsed,
         )
         return stats
+
+    def _reference_model(self):
+        """A frozen copy of the starting policy (for the KL penalty), made on first use."""
+        if getattr(self, "_ref", None) is None:
+            import copy
+
+            self._ref = copy.deepcopy(self._initial_model).eval()
+            for p in self._ref.parameters():
+                p.requires_grad_(False)
+        return self._ref
 
     async def _publish_weights(self, pub: Publisher[WeightsAnnouncement]) -> None:
         from safetensors.torch import save
@@ -274,6 +331,59 @@ class GRPOLearner:
         old = self.version - self.keep_versions
         if old >= 1:
             await asyncio.to_thread(self.store.delete, f"runs/{self.topics.run_id}/weights/v{old:06d}/model.safetensors")
+
+    # ---------------------------------------------------------- checkpoints
+    def _latest_published_version(self) -> int:
+        versions = [int(m.group(1)) for i in self.store.list(f"runs/{self.topics.run_id}/weights/")
+                    if (m := re.search(r"/weights/v(\d+)/", i.key))]  # fmt: skip
+        return max(versions, default=0)
+
+    def resume(self) -> bool:
+        """Load the newest checkpoint, if any; returns whether one was loaded."""
+        from learner.checkpoint import load_latest
+
+        state = load_latest(self.store, self.topics.run_id)
+        if state is None:
+            return False
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = self.resumed_from = state["step"]
+        # Versions the lost steps announced must not be reused for other weights.
+        self.version = max(state["version"], self._latest_published_version())
+        self.samples_consumed = state["samples_consumed"]
+        self.trained_log = list(state["trained_log"])
+        self.trained_ids = set(self.trained_log)
+        self.counters = Counter(state["counters"])
+        self._position = {TopicPartition(t, p): o for (t, p), o in state["position"].items()}
+        log.info("learner.resumed", step=self.step, version=self.version, trained=len(self.trained_log))
+        return True
+
+    async def _seek_to_checkpoint(self, assigned: set[TopicPartition]) -> None:
+        sub = getattr(self, "_sub", None)
+        consumer = sub.consumer if sub is not None else None
+        for tp in assigned:
+            if tp in self._position and consumer is not None:
+                consumer.seek(tp, self._position[tp])
+
+    async def checkpoint(self, sub=None) -> str:
+        from learner.checkpoint import save_checkpoint
+
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "version": self.version,
+            "samples_consumed": self.samples_consumed,
+            "trained_log": list(self.trained_log),
+            "counters": dict(self.counters),
+            "position": {(tp.topic, tp.partition): o for tp, o in self._position.items()},
+        }
+        key = await asyncio.to_thread(save_checkpoint, self.store, self.topics.run_id, state, self.step, self.keep_checkpoints)
+        if sub is not None:
+            await sub.commit_offsets(dict(self._position))  # the broker never runs ahead of a checkpoint
+        return key
 
     def _record(self, stats: dict) -> None:
         row = {"step": self.step, "version": self.version, "wall_s": time.monotonic() - self._started, **stats, **self.counters}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -122,6 +123,53 @@ def storage_sink(
         sink = StorageSink(transport, Topics(cfg.run_id), store, flush_rows=flush_rows, flush_s=flush_s)
         try:
             await sink.run(stop)
+        finally:
+            await transport.close()
+
+    asyncio.run(_until_signalled(main))
+
+
+@app.command("learner")
+def learner(
+    config: Path = CONFIG,
+    model: Path = typer.Option(..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Local directory for metrics.jsonl [default runs/<run_id>]."),
+    threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
+) -> None:
+    """Scored topic -> GRPO steps -> weights (object store + weights topic) and progress; resumes from its
+    newest checkpoint after a crash."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.topics import Topics
+    from conveyor.transport import open_transport
+    from learner.grpo import LossConfig
+    from learner.recipe import GRPOLearner
+    from storage.objectstore import open_object_store
+
+    cfg = _load(config, "learner")
+    lc = cfg.learner
+    if threads:
+        torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, max_importance_weight=lc.max_importance_weight,
+                      std_normalise=lc.std_normalise, aggregation=lc.aggregation, objective=lc.objective,
+                      kl_coef=lc.kl_coef)  # fmt: skip
+    out = run_dir or Path("runs") / cfg.run_id
+    out.mkdir(parents=True, exist_ok=True)
+
+    async def main(stop: asyncio.Event) -> None:
+        transport = open_transport(cfg.transport)
+        store = await asyncio.to_thread(open_object_store, cfg.object_store)
+        lrn = GRPOLearner(
+            transport, Topics(cfg.run_id), policy, tok.pad_token_id, store, run_dir=out,
+            batch_groups=lc.batch_groups, max_lag=lc.max_lag, lr=lc.lr, loss=loss, group_timeout_s=lc.group_timeout_s,
+            keep_versions=lc.keep_versions, checkpoint_every=lc.checkpoint_every, keep_checkpoints=lc.keep_checkpoints,
+            warmup_steps=lc.warmup_steps,
+        )  # fmt: skip
+        try:
+            await lrn.run(stop)
         finally:
             await transport.close()
 

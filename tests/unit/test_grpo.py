@@ -57,3 +57,49 @@ def test_token_and_sequence_aggregation_differ_on_unequal_lengths():
     seq, _ = clipped_pg_loss(new, old, [1.0, -1.0], masks, LossConfig(aggregation="sequence"))
     assert float(tok) == pytest.approx((-1 + 3) / 4)
     assert float(seq) == pytest.approx(0.0)
+
+
+def _dec(new: float, prox: float, old: float, adv: float, cfg=LossConfig(objective="decoupled")):
+    lp = torch.tensor([new], requires_grad=True)
+    loss, stats = clipped_pg_loss([lp], [torch.tensor([old])], [adv], [torch.ones(1)], cfg, proximal_logprobs=[torch.tensor([prox])])
+    loss.backward()
+    return loss.item(), float(lp.grad[0]), stats
+
+
+def test_decoupled_clips_around_the_proximal_policy_not_the_behaviour_one():
+    # A stale sample: behaviour logprob far below the current policy's. Against the
+    # behaviour policy the ratio (e^1.0) is far outside the clip range: no gradient.
+    _, grad_behaviour, _ = _loss(-1.0, -2.0, adv=1.0)
+    assert grad_behaviour == 0.0
+    # Decoupled: the trust region is around the proximal (current) policy, so the
+    # first update still learns, weighted by the truncated pi_prox / pi_behaviour.
+    loss, grad, stats = _dec(-1.0, -1.0, -2.0, adv=1.0)
+    assert grad < 0
+    assert stats["importance_mean"] == pytest.approx(float(torch.exp(torch.tensor(1.0))), rel=1e-5)
+    assert loss == pytest.approx(-float(torch.exp(torch.tensor(1.0))), rel=1e-5)
+
+
+def test_decoupled_weight_is_truncated():
+    cfg = LossConfig(objective="decoupled", max_importance_weight=2.0)
+    loss, _, _ = _dec(-1.0, -1.0, -5.0, adv=1.0, cfg=cfg)  # pi_prox / pi_behaviour = e^4, truncated at 2
+    assert loss == pytest.approx(-2.0)
+
+
+def test_decoupled_needs_proximal_logprobs():
+    with pytest.raises(ValueError, match="proximal"):
+        clipped_pg_loss([torch.zeros(1)], [torch.zeros(1)], [1.0], [torch.ones(1)], LossConfig(objective="decoupled"))
+
+
+def test_on_policy_ignores_the_behaviour_logprobs():
+    cfg = LossConfig(objective="on_policy")
+    _, g1, _ = _loss(-1.0, -1.0, adv=1.0, cfg=cfg)
+    _, g2, _ = _loss(-1.0, -5.0, adv=1.0, cfg=cfg)
+    assert g1 == pytest.approx(g2) == pytest.approx(-1.0)
+
+
+def test_kl_penalty_pulls_towards_the_reference():
+    cfg = LossConfig(objective="on_policy", kl_coef=0.5)
+    lp = torch.tensor([-0.5], requires_grad=True)
+    loss, stats = clipped_pg_loss([lp], [torch.tensor([-0.5])], [0.0], [torch.ones(1)], cfg, reference_logprobs=[torch.tensor([-1.0])])
+    loss.backward()
+    assert stats["kl"] > 0 and float(lp.grad[0]) > 0  # new > ref: the penalty pushes the logprob down

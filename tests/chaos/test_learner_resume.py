@@ -1,0 +1,127 @@
+"""A learner killed with SIGKILL (three times) and restarted resumes from its
+newest checkpoint and, in the final model's lineage, trains on every rollout
+exactly once (checked by id against the checkpoint's ledger)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+
+import yaml
+
+from conveyor.contracts import Rollout, ScoredRollout, Task, VersionSegment, float32_array, int32_array, rollout_id, uint8_array
+from conveyor.messaging import Publisher
+from conveyor.topics import Topics
+
+GROUPS, GROUP_SIZE, BATCH_GROUPS = 60, 4, 2
+
+
+def group(run_id: str, g: int) -> list[ScoredRollout]:
+    task = Task(task_id=f"task-{g}", run_id=run_id, prompt="a = [1]", group_size=GROUP_SIZE)
+    out = []
+    for i in range(GROUP_SIZE):
+        ids = [5 + (g + i) % 7, 6, 7]
+        out.append(ScoredRollout(
+            rollout=Rollout(
+                rollout_id=rollout_id(task.task_id, i), task_id=task.task_id, run_id=run_id, sample_index=i,
+                group_size=GROUP_SIZE, prompt_token_ids=int32_array([3, 4, 5]), completion_token_ids=int32_array(ids),
+                behaviour_logprobs=float32_array([-1.0] * 3), loss_mask=uint8_array([1] * 3),
+                version_segments=[VersionSegment(start=0, end=3, policy_version=0)], task=task,
+            ),
+            reward=float(i % 2), verdict="pass" if i % 2 else "fail",
+        ))  # fmt: skip
+    return out
+
+
+def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path):
+    from conveyor.transport.kafka import KafkaTransport
+    from learner.checkpoint import load_latest
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+    from storage.objectstore import LocalObjectStore
+
+    run_id = f"resume-{uuid.uuid4().hex[:6]}"
+    create_tiny_llama(tmp_path / "model", ALPHABET, seed=0)
+    cfg = {
+        "run_id": run_id,
+        "transport": kafka_cfg.model_dump(),
+        "object_store": {"type": "local", "root": str(tmp_path / "objects")},
+        "learner": {"batch_groups": BATCH_GROUPS, "max_lag": 100000, "checkpoint_every": 3, "lr": 1e-4},
+        "logging": {"level": "info", "format": "json"},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    store = LocalObjectStore(tmp_path / "objects")
+    topics = Topics(run_id)
+    rows = [r for g in range(GROUPS) for r in group(run_id, g)]
+
+    def publish_slowly():
+        async def go():
+            transport = KafkaTransport(kafka_cfg)
+            await transport.create_topics(topics.specs(kafka_cfg.partitions))
+            producer = transport.producer()
+            await producer.start()
+            pub = Publisher(producer, topics.scored)
+            for i in range(0, len(rows), GROUP_SIZE * BATCH_GROUPS):
+                await asyncio.gather(*[await pub.publish(r, r.rollout.task_id) for r in rows[i : i + GROUP_SIZE * BATCH_GROUPS]])
+                await asyncio.sleep(0.6)
+            await producer.close()
+            await transport.close()
+
+        asyncio.run(go())
+
+    def latest_step() -> int:
+        try:
+            import json
+
+            return json.loads(store.get(f"runs/{run_id}/checkpoints/latest.json"))["step"]
+        except Exception:  # noqa: BLE001 - not written yet
+            return 0
+
+    def learner():
+        return subprocess.Popen(
+            [sys.executable, "-m", "conveyor.cli.main", "serve", "learner", "--config", str(tmp_path / "run.yaml"),
+             "--model", str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"), "--threads", "1"],
+            stdout=(tmp_path / "learner.log").open("a"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    publisher = threading.Thread(target=publish_slowly)
+    publisher.start()
+    kills, steps_at_kill = 0, []
+    try:
+        for _ in range(3):
+            proc = learner()
+            start = latest_step()
+            deadline = time.monotonic() + 120
+            while latest_step() < start + 3 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            time.sleep(0.4)  # land somewhere between checkpoints
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(10) == -signal.SIGKILL
+            kills += 1
+            steps_at_kill.append(latest_step())
+        publisher.join(120)
+        final = learner()
+        want = GROUPS // BATCH_GROUPS
+        deadline = time.monotonic() + 180
+        while latest_step() < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        final.send_signal(signal.SIGTERM)
+        assert final.wait(60) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+    finally:
+        publisher.join(1)
+    state = load_latest(store, run_id)
+    counts = Counter(state["trained_log"])
+    double = [i for i, n in counts.items() if n > 1]
+    missing = {r.rollout_id for r in rows} - set(counts)
+    print(f"FIGURE learner_kills {kills} count; checkpoints at kill {steps_at_kill}; final step {state['step']}")
+    assert kills == 3 and not double and not missing, (double[:5], sorted(missing)[:5])
+    assert state["step"] == want
+    log_text = (tmp_path / "learner.log").read_text()
+    assert log_text.count("learner.resumed") >= 3
