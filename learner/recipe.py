@@ -46,6 +46,7 @@ from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import TopicPartition, Transport
 from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs, group_advantages
+from learner.packing import packed_completion_logprobs
 from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
@@ -81,6 +82,7 @@ class GRPOLearner:
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
         warmup_steps: int = 0,
+        pack_tokens: int = 4096,
     ) -> None:
         import torch
 
@@ -104,6 +106,7 @@ class GRPOLearner:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
+        self.pack_tokens = pack_tokens  # 0: pad to the longest sequence instead of packing
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self.resumed_from: int | None = None  # step of the checkpoint this process resumed from
@@ -274,7 +277,10 @@ class GRPOLearner:
                     ref = completion_logprobs(self._reference_model(), prompts, completions, self.pad_id)
             self.model.train()
             entropy: list[float] = []
-            new = completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy)
+            if self.pack_tokens:
+                new = packed_completion_logprobs(self.model, prompts, completions, pack_tokens=self.pack_tokens, entropy=entropy)
+            else:
+                new = completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy)
             loss, st = clipped_pg_loss(new, behaviour, advantages, masks, self.loss_cfg, prox, ref)
             st["entropy"] = entropy[0]
             self.optimizer.zero_grad(set_to_none=True)

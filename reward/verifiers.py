@@ -27,6 +27,16 @@ Each kind reads its own payload from ``task.verifier.data``:
     workspace after the commands, ``style`` as above), ``reward`` as above.
     The completion is a shell script (last fenced block when it has one),
     run with ``/bin/sh -e`` in the workspace.
+``tool_call``
+    ``expected`` (``name``, and the ``arguments`` that must match; other
+    arguments are only schema-checked), ``tolerance`` (relative, for
+    numbers; default 1e-6). The completion's call is its last JSON object
+    ``{"name": ..., "arguments": {...}}`` (a fenced block's first); the
+    arguments are validated with ``jsonschema`` against the tool's schema in
+    ``reward/tools.py``, then compared with the expected ones (strings
+    ignoring case, ISO date-times as instants, lists in any order). Reward 1
+    or 0; the feedback names the unknown tool, the schema error's JSON path
+    or the wrong argument, never the expected value. No sandbox.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from pathlib import Path
 
 from conveyor.contracts import Feedback, Task
 from reward.sandbox import ExecResult, Job, Sandbox
+from reward.tools import TOOLS, parse_call, schema_error, values_match
 from reward.workspace import Workspace
 
 _INT_LITERAL = re.compile(r"^ ?-?\d+\n?$")
@@ -189,6 +200,41 @@ def judge_math(task: Task, completion: str) -> Verdict:
 
 
 # --------------------------------------------------------------------------
+# tool calls
+
+
+def judge_tool_call(task: Task, completion: str) -> Verdict:
+    data = task.verifier.data
+    expected = data.get("expected")
+    if not isinstance(expected, dict) or expected.get("name") not in TOOLS or not isinstance(expected.get("arguments", {}), dict):
+        raise VerifierError(f"task {task.task_id}: tool_call needs data.expected with a known tool name and an arguments object")
+
+    def fail(message: str) -> Verdict:
+        return Verdict(0.0, "fail", Feedback(message=message, text=completion[-200:]))
+
+    call = parse_call(completion)
+    if call is None:
+        return fail('no tool call found: answer with a JSON object {"name": ..., "arguments": {...}}')
+    name, args = call.get("name"), call.get("arguments", {})
+    if not isinstance(name, str) or name not in TOOLS:
+        return fail(f"unknown tool {name!r}; the tools are {', '.join(TOOLS)}")
+    if not isinstance(args, dict):
+        return fail(f"the arguments of {name} must be a JSON object")
+    error = schema_error(name, args)
+    if error is not None:
+        return fail(f"the arguments of {name} do not match its schema at {error}")
+    if name != expected["name"]:
+        return fail(f"{name} is not the tool this request needs")
+    tol = float(data.get("tolerance", 1e-6))
+    for key, want in expected.get("arguments", {}).items():
+        if key not in args:
+            return fail(f"argument {key!r} of {name} is missing")
+        if not values_match(args[key], want, tol):
+            return fail(f"argument {key!r} of {name} has the wrong value {args[key]!r}")
+    return Verdict(1.0, "pass")
+
+
+# --------------------------------------------------------------------------
 # batch scoring
 
 
@@ -278,6 +324,8 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
                 out[i] = judge_math(task, completion)
             elif kind == "terminal":
                 out[i] = _terminal(sandbox, task, completion)
+            elif kind == "tool_call":
+                out[i] = judge_tool_call(task, completion)
             else:
                 raise VerifierError(f"task {task.task_id}: unknown verifier kind {kind!r}")
         except VerifierError as exc:

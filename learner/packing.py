@@ -1,0 +1,156 @@
+"""Sequence packing and a memory-bounded log-prob computation.
+
+Packing: sequences (prompt + completion) are laid end to end into packs of
+at most ``pack_tokens`` tokens (first fit, in order), with position ids
+restarting at 0 for every sequence, so no token is spent on padding.
+Attention must not cross sequence boundaries:
+
+- with flash-attn installed (``attn_implementation="flash_attention_2"``),
+  transformers detects the restarting position ids and calls the varlen
+  kernel: memory linear in the pack;
+- with PyTorch SDPA (the default here), a pack holding one sequence uses
+  the causal kernel (no mask: memory linear in its length); a pack holding
+  several gets a block-diagonal causal mask, ``pack_tokens²`` booleans —
+  bounded by the pack size, not by the batch.
+
+Log-probs without full-vocabulary logits for every token at once: the
+model's trunk gives hidden states; the LM head, log-softmax and gather run
+over ``chunk_tokens`` positions at a time under activation checkpointing,
+so the backward pass recomputes each chunk's logits instead of keeping
+``tokens × vocab`` floats alive (the dominant activation for real
+vocabularies: 151k × 32k tokens in fp32 is 19 GB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class Pack:
+    input_ids: torch.Tensor  # (1, T)
+    position_ids: torch.Tensor  # (1, T)
+    spans: list[tuple[int, int, int]]  # per sequence: (index in batch, start in pack, prompt length)
+    lengths: list[int]  # per sequence: prompt + completion length
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pack_tokens: int) -> list[Pack]:
+    """First-fit packing in order; a sequence longer than ``pack_tokens`` gets a pack of its own."""
+    packs: list[list[int]] = []
+    used: list[int] = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        for k, u in enumerate(used):
+            if u + n <= pack_tokens:
+                packs[k].append(i)
+                used[k] += n
+                break
+        else:
+            packs.append([i])
+            used.append(n)
+    out = []
+    for members in packs:
+        ids, pos, spans, lengths = [], [], [], []
+        for i in members:
+            seq = prompts[i] + completions[i]
+            spans.append((i, len(ids), len(prompts[i])))
+            lengths.append(len(seq))
+            ids.extend(seq)
+            pos.extend(range(len(seq)))
+        out.append(Pack(torch.tensor([ids]), torch.tensor([pos]), spans, lengths))
+    return out
+
+
+def block_causal_mask(lengths: list[int]) -> torch.Tensor:
+    """(1, 1, T, T) boolean mask: True where attention is allowed (causal, within a sequence)."""
+    total = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    causal = torch.ones(total, total, dtype=torch.bool).tril_()
+    return (causal & (doc[:, None] == doc[None, :]))[None, None]
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logsm = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1)
+    entropy = -(logsm.detach().exp() * logsm.detach()).sum(-1)  # reported, not trained on
+    return logsm.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+def token_logprobs(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int = 1024, entropy: list | None = None
+) -> torch.Tensor:
+    """log p(targets[t] | hidden[t]) for every t, ``chunk_tokens`` positions at a time (checkpointed).
+    With ``entropy`` (a list), the per-token entropies are appended to it as one tensor."""
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("an LM head with a bias is not supported by the chunked log-prob")
+    out, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_chunk_logprobs, h, lm_head.weight, t, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h, lm_head.weight, t)
+        out.append(lp)
+        ents.append(ent)
+    if entropy is not None and ents:
+        entropy.append(torch.cat(ents))
+    return torch.cat(out) if out else hidden.new_zeros(0)
+
+
+class LogprobHead(torch.nn.Module):
+    """A causal LM computing packed completion log-probs in its own ``forward``, so that
+    wrappers that act on forward (FSDP2's root unshard/reshard) see the whole computation."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, input_ids, position_ids, attention_mask, rows, targets, chunk_tokens: int, entropy: list | None = None):
+        trunk = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        hidden = trunk(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).last_hidden_state[0]
+        return token_logprobs(hidden[rows], self.model.get_output_embeddings(), targets, chunk_tokens, entropy)
+
+
+def packed_completion_logprobs(
+    model,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    *,
+    pack_tokens: int = 4096,
+    chunk_tokens: int = 1024,
+    entropy: list | None = None,
+) -> list[torch.Tensor]:
+    """The same values as ``learner.grpo.completion_logprobs``, without padding and without
+    full-vocabulary logits for all tokens at once. With ``entropy`` (a list), the mean policy
+    entropy over completion tokens is appended to it."""
+    ents: list[torch.Tensor] = []
+    runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
+    flash = getattr(runner.config, "_attn_implementation", "") == "flash_attention_2"
+    result: list[torch.Tensor | None] = [None] * len(prompts)
+    for pack in pack_sequences(prompts, completions, pack_tokens):
+        mask = None if (flash or len(pack.lengths) == 1) else block_causal_mask(pack.lengths)
+        # Predict token t+1 from position t, within each sequence.
+        rows, targets = [], []
+        for (i, start, plen), n in zip(pack.spans, pack.lengths):
+            rows.append(torch.arange(start + plen - 1, start + n - 1))
+            targets.append(pack.input_ids[0, start + plen : start + n])
+        lp = runner(pack.input_ids, pack.position_ids, mask, torch.cat(rows), torch.cat(targets), chunk_tokens, ents)
+        offset = 0
+        for (i, start, plen), n in zip(pack.spans, pack.lengths):
+            k = n - plen
+            result[i] = lp[offset : offset + k]
+            offset += k
+    if entropy is not None:
+        all_ents = torch.cat(ents) if ents else torch.zeros(1)
+        entropy.append(float(all_ents.mean()))
+    return result  # type: ignore[return-value]

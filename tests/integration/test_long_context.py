@@ -1,0 +1,51 @@
+"""Long context on CPU: a tiny model trains on one packed sequence of 4k, 8k
+and 16k tokens (activation checkpointing, causal SDPA, chunked log-probs).
+Peak memory must grow about linearly with length, not quadratically."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+STEP = r"""
+import json, resource, sys, tempfile, torch
+from learner.models import create_tiny_llama
+from learner.packing import packed_completion_logprobs
+from producers.suites.pyexpr import ALPHABET
+torch.set_num_threads(2)
+n = int(sys.argv[1])
+model, tok = create_tiny_llama(tempfile.mkdtemp(), ALPHABET, seed=0, hidden_size=64, layers=2, heads=4,
+                               intermediate_size=128, max_positions=16640)
+model.config._attn_implementation = "sdpa"
+model.gradient_checkpointing_enable()
+model.train()
+def step(length):
+    prompt, completion = [3] * 16, [4 + i % 20 for i in range(length - 16)]
+    lp = packed_completion_logprobs(model, [prompt], [completion], pack_tokens=length, chunk_tokens=1024)
+    (-lp[0].mean()).backward()
+    model.zero_grad(set_to_none=True)
+step(256)  # load kernels, allocate the optimizer-free baseline
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+step(n)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"tokens": n, "step_kib": peak - base}))
+"""
+
+
+def peak_kib(n: int) -> int:
+    out = subprocess.run([sys.executable, "-c", STEP, str(n)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["step_kib"]
+
+
+@pytest.mark.timeout(900)
+def test_peak_memory_grows_linearly_up_to_16k_tokens():
+    mem = {n: peak_kib(n) for n in (4096, 8192, 16384)}
+    print("peak memory above baseline (MiB):", {n: round(v / 1024, 1) for n, v in mem.items()})
+    # Quadratic attention memory would make each doubling cost 4x the previous increment.
+    growth = (mem[16384] - mem[8192]) / max(mem[8192] - mem[4096], 1)
+    assert mem[16384] < 3.0 * max(mem[8192], 1), mem
+    assert growth < 3.0, (mem, growth)
