@@ -136,6 +136,7 @@ def packed_completion_logprobs(
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
     flash = getattr(runner.config, "_attn_implementation", "") == "flash_attention_2"
+    device = next(runner.parameters()).device
     result: list[torch.Tensor | None] = [None] * len(prompts)
     for pack in pack_sequences(prompts, completions, pack_tokens):
         mask = None if (flash or len(pack.lengths) == 1) else block_causal_mask(pack.lengths)
@@ -144,7 +145,9 @@ def packed_completion_logprobs(
         for (i, start, plen), n in zip(pack.spans, pack.lengths):
             rows.append(torch.arange(start + plen - 1, start + n - 1))
             targets.append(pack.input_ids[0, start + plen : start + n])
-        lp = runner(pack.input_ids, pack.position_ids, mask, torch.cat(rows), torch.cat(targets), chunk_tokens, ents)
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        lp = runner(to(pack.input_ids), to(pack.position_ids), None if mask is None else to(mask), to(torch.cat(rows)),
+                    to(torch.cat(targets)), chunk_tokens, ents)  # fmt: skip
         offset = 0
         for (i, start, plen), n in zip(pack.spans, pack.lengths):
             k = n - plen

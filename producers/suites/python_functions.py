@@ -142,7 +142,8 @@ _PROBLEMS = [
       "return ' '.join(w[:1].upper() + w[1:].lower() for w in s.split(' '))",
       ("capitalize_words('hello world')", "'Hello World'"), ("capitalize_words('pYTHON  is FUN')", "'Python  Is Fun'"),
       ("capitalize_words('a')", "'A'")),
-    P("remove_duplicates", 1, "def remove_duplicates(xs: list) -> list:", "xs without repeated elements, keeping first occurrences in order.",
+    P("remove_duplicates", 1, "def remove_duplicates(xs: list) -> list:",
+      "xs without repeated elements, keeping first occurrences in order.",
       "return list(dict.fromkeys(xs))",
       ("remove_duplicates([3, 1, 3, 2, 1])", "[3, 1, 2]"), ("remove_duplicates([])", "[]"),
       ("remove_duplicates(['a', 'b', 'a'])", "['a', 'b']")),
@@ -150,13 +151,15 @@ _PROBLEMS = [
       "The second largest distinct value in xs (xs has at least two distinct values).",
       "return sorted(set(xs))[-2]",
       ("second_largest([1, 5, 3])", "3"), ("second_largest([7, 7, 2])", "2"), ("second_largest([-1, -5, -3, -1])", "-3")),
-    P("is_anagram", 1, "def is_anagram(a: str, b: str) -> bool:", "True when a and b contain the same letters (case-insensitive, spaces ignored).",
+    P("is_anagram", 1, "def is_anagram(a: str, b: str) -> bool:",
+      "True when a and b contain the same letters (case-insensitive, spaces ignored).",
       "return sorted(a.replace(' ', '').lower()) == sorted(b.replace(' ', '').lower())",
       ("is_anagram('listen', 'silent')", "True"), ("is_anagram('Dormitory', 'dirty room')", "True"),
       ("is_anagram('abc', 'abd')", "False")),
     P("flatten_once", 1, "def flatten_once(xss: list[list]) -> list:", "Concatenate the lists in xss into one list.",
       "return [x for xs in xss for x in xs]",
-      ("flatten_once([[1, 2], [3], []])", "[1, 2, 3]"), ("flatten_once([])", "[]"), ("flatten_once([['a'], ['b', 'c']])", "['a', 'b', 'c']")),
+      ("flatten_once([[1, 2], [3], []])", "[1, 2, 3]"), ("flatten_once([])", "[]"),
+      ("flatten_once([['a'], ['b', 'c']])", "['a', 'b', 'c']")),
     P("chunk", 1, "def chunk(xs: list, n: int) -> list[list]:", "Split xs into consecutive lists of length n (the last may be shorter).",
       "return [xs[i:i + n] for i in range(0, len(xs), n)]",
       ("chunk([1, 2, 3, 4, 5], 2)", "[[1, 2], [3, 4], [5]]"), ("chunk([], 3)", "[]"), ("chunk([1, 2, 3], 3)", "[[1, 2, 3]]")),
@@ -201,7 +204,8 @@ _PROBLEMS = [
       ("balanced_brackets('f(a[1]) + {x}')", "True"), ("balanced_brackets(')(')", "False")),
     P("transpose", 2, "def transpose(m: list[list]) -> list[list]:", "The transpose of a rectangular matrix given as a list of rows.",
       "return [list(r) for r in zip(*m)]",
-      ("transpose([[1, 2, 3], [4, 5, 6]])", "[[1, 4], [2, 5], [3, 6]]"), ("transpose([[1]])", "[[1]]"), ("transpose([[1, 2]])", "[[1], [2]]")),
+      ("transpose([[1, 2, 3], [4, 5, 6]])", "[[1, 4], [2, 5], [3, 6]]"), ("transpose([[1]])", "[[1]]"),
+      ("transpose([[1, 2]])", "[[1], [2]]")),
     P("to_roman", 2, "def to_roman(n: int) -> str:", "The Roman numeral for 1 <= n <= 3999, e.g. 1994 -> 'MCMXCIV'.",
       """
       vals = [(1000, 'M'), (900, 'CM'), (500, 'D'), (400, 'CD'), (100, 'C'), (90, 'XC'),
@@ -497,7 +501,8 @@ _PROBLEMS = [
     P("number_to_words", 3, "def number_to_words(n: int) -> str:",
       "English words for 0 <= n <= 999, e.g. 342 -> 'three hundred forty-two', 7 -> 'seven', 100 -> 'one hundred'.",
       """
-      ones = 'zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen'.split()
+      ones = ('zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen '
+              'sixteen seventeen eighteen nineteen').split()
       tens = 'twenty thirty forty fifty sixty seventy eighty ninety'.split()
       def below100(k):
           if k < 20:
@@ -559,12 +564,12 @@ _PROBLEMS = [
               return False
       return True
       """,
-      ("valid_sudoku(['53..7....', '6..195...', '.98....6.', '8...6...3', '4..8.3..1', '7...2...6', '.6....28.', '...419..5', '....8..79'])",
-       "True"),
-      ("valid_sudoku(['83..7....', '6..195...', '.98....6.', '8...6...3', '4..8.3..1', '7...2...6', '.6....28.', '...419..5', '....8..79'])",
-       "False"),
+      ("valid_sudoku(_BOARD)", "True"),
+      ("valid_sudoku(['83..7....'] + _BOARD[1:])", "False"),  # two 8s in the first column
       ("valid_sudoku(['.........'] * 9)", "True"),
-      ("valid_sudoku(['1........', '.1.......'] + ['.........'] * 7)", "False")),
+      ("valid_sudoku(['1........', '.1.......'] + ['.........'] * 7)", "False"),
+      helpers="_BOARD = ['53..7....', '6..195...', '.98....6.', '8...6...3', '4..8.3..1', '7...2...6', '.6....28.', "
+              "'...419..5', '....8..79']\n"),
 ]
 
 

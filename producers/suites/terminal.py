@@ -119,7 +119,8 @@ _PROBLEMS = [
         "Delete every empty file under data/, in subdirectories too; keep the other files.",
         {"data/a.txt": "x\n", "data/empty1.txt": "", "data/sub/empty2.log": "", "data/sub/b.log": "y\n"},
         "find data -type f -empty -delete\n",
-        "def test_empty_files_gone():\n    assert not os.path.exists(W + '/data/empty1.txt') and not os.path.exists(W + '/data/sub/empty2.log')\n\n"
+        "def test_empty_files_gone():\n"
+        "    assert not any(os.path.exists(f'{W}/data/{f}') for f in ('empty1.txt', 'sub/empty2.log'))\n\n"
         "def test_only_non_empty_files_remain():\n    assert files('data') == ['a.txt', 'sub/b.log']\n",
     ),
     Problem(
@@ -208,14 +209,16 @@ _PROBLEMS = [
         {"settings.json": '{"name": "demo", "debug": true, "workers": 4}\n'},
         "python3 - <<'EOF'\nimport json\nwith open('settings.json') as f:\n    d = json.load(f)\nd['debug'] = False\n"
         "with open('settings.json', 'w') as f:\n    json.dump(d, f)\nEOF\n",
-        "import json\n\n\ndef test_settings():\n    assert json.loads(read('settings.json')) == {'name': 'demo', 'debug': False, 'workers': 4}\n",
+        "import json\n\n\ndef test_settings():\n"
+        "    assert json.loads(read('settings.json')) == {'name': 'demo', 'debug': False, 'workers': 4}\n",
     ),
     Problem(
         "symlink_current", 2,
         "Create a symbolic link named `current`, relative, pointing to releases/v2.",
         {"releases/v1/app.txt": "v1\n", "releases/v2/app.txt": "v2\n"},
         "ln -s releases/v2 current\n",
-        "def test_is_relative_link():\n    assert os.path.islink(W + '/current') and os.readlink(W + '/current').rstrip('/') == 'releases/v2'\n\n"
+        "def test_is_relative_link():\n"
+        "    assert os.path.islink(W + '/current') and os.readlink(W + '/current').rstrip('/') == 'releases/v2'\n\n"
         "def test_resolves():\n    assert read('current/app.txt') == 'v2\\n'\n",
     ),
     Problem(
@@ -251,7 +254,8 @@ _PROBLEMS = [
         "dedupe_keep_order", 2,
         "Write list.txt without repeated lines to deduped.txt, keeping the first occurrence of each line, in the original order.",
         {"list.txt": "pear\napple\npear\nfig\napple\nkiwi\n"},
-        ": > deduped.txt\nwhile IFS= read -r line; do\n    grep -qxF -- \"$line\" deduped.txt || printf '%s\\n' \"$line\" >> deduped.txt\ndone < list.txt\n",
+        ": > deduped.txt\nwhile IFS= read -r line; do\n"
+        "    grep -qxF -- \"$line\" deduped.txt || printf '%s\\n' \"$line\" >> deduped.txt\ndone < list.txt\n",
         "def test_deduped():\n    assert read('deduped.txt').splitlines() == ['pear', 'apple', 'fig', 'kiwi']\n",
     ),
     Problem(

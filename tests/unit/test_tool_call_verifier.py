@@ -40,7 +40,8 @@ def test_correct_call_passes_bare_or_fenced():
 
 
 def test_the_last_fenced_call_counts():
-    text = "```json\n" + call("get_weather", city="Rome") + "\n```\nNo, Paris:\n```json\n" + call("get_weather", city="paris", unit="celsius") + "\n```"
+    first, second = call("get_weather", city="Rome"), call("get_weather", city="paris", unit="celsius")
+    text = f"```json\n{first}\n```\nNo, Paris:\n```json\n{second}\n```"
     assert judge(text).reward == 1.0
 
 

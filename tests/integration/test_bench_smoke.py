@@ -1,0 +1,15 @@
+"""The prepared GPU benchmark runs end to end (tiny shape, CPU), so it does not rot
+between sessions that have a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_learner_gpu_bench_smoke():
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "learner_gpu.py"), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FIGURE learner_tokens_per_s" in res.stdout
