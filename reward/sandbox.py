@@ -10,8 +10,8 @@ What it protects against (each claim has a test in
 - Network: every namespace is unshared; the only interface is an
   unconfigured loopback, and seccomp refuses sockets of any family but
   AF_UNIX, so neither TCP nor UDP reach anything, loopback included.
-- Host files: only ``/usr`` (read-only), the harness and the seccomp filter
-  (read-only), a private size-limited tmpfs working directory and ``/tmp``
+- Host files: only ``/usr`` and ``/etc/alternatives`` (read-only), the
+  harness and the seccomp filter (read-only), a private size-limited tmpfs working directory and ``/tmp``
   per job, and — for workspace tasks — the workspace overlay are visible.
   ``/etc``, ``/root``, the project tree, other jobs' directories and
   ``/proc`` are not.
@@ -197,6 +197,9 @@ class Sandbox:
         for link in ("lib", "lib64", "bin", "sbin"):
             if os.path.islink(f"/{link}"):
                 argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
+        # Debian's alternatives (awk, editor, ...) are symlinks into /etc/alternatives: only that
+        # directory of /etc is visible (symlinks to /usr), read-only.
+        argv += ["--ro-bind-try", "/etc/alternatives", "/etc/alternatives"]
         argv += [
             "--proc", "/proc",
             "--dev", "/dev",
