@@ -200,6 +200,22 @@ class RewardConfig(_Section):
         return self
 
 
+class ProducerConfig(_Section):
+    """Where tasks come from: a built-in suite and/or the HTTP API."""
+
+    suite: str | None = "pyexpr"
+    """Built-in suite to stream (pyexpr, python_functions, terminal, math_numeric, tool_calls); None: HTTP only."""
+    group_size: int = Field(8, ge=1, le=1024)
+    max_tasks: int | None = Field(None, ge=1)
+    """Stop the suite stream after this many tasks (None: endless)."""
+    seed: int = 0
+    http_host: str = "127.0.0.1"
+    http_port: int | None = Field(8600, ge=0, le=65535)
+    """Serve the HTTP API here (0: any free port; None: no API)."""
+    max_batch: int = Field(1000, ge=1)
+    """Most tasks accepted in one HTTP submission."""
+
+
 class LearnerConfig(_Section):
     """The learner's batching, objective and durability."""
 
@@ -265,6 +281,7 @@ class RunConfig(BaseSettings):
     celery: CeleryBrokerConfig = Field(default_factory=LocalExecutorConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    producer: ProducerConfig = Field(default_factory=ProducerConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

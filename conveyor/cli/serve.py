@@ -176,3 +176,84 @@ def learner(
             await transport.close()
 
     asyncio.run(_until_signalled(main))
+
+
+@app.command("rollout-worker")
+def rollout_worker(
+    config: Path = CONFIG,
+    model: Path = typer.Option(..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."),
+    engine: str = typer.Option("reference", help="reference (PyTorch/transformers) | vllm"),
+    tasks_per_batch: int = typer.Option(16, min=1, help="Tasks sampled together (one engine batch)."),
+    threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Tasks topic -> engine -> rollouts topic; follows the weights topic and swaps versions between batches.
+    Start as many as you like: they share the tasks topic's consumer group."""
+    from conveyor.topics import Topics
+    from conveyor.transport import open_transport
+    from rollout_workers.worker import RolloutWorker
+    from storage.objectstore import open_object_store
+
+    cfg = _load(config, "rollout-worker")
+    if engine != "reference":
+        typer.secho(f"--engine {engine}: only the reference engine is built in this version (vLLM backend: issue #5)",
+                    fg=typer.colors.RED, err=True)  # fmt: skip
+        raise typer.Exit(2)
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    eng = ReferenceEngine(model, seed=seed, threads=threads or None)
+    batch_samples = cfg.learner.batch_groups * cfg.producer.group_size
+
+    async def main(stop: asyncio.Event) -> None:
+        transport = open_transport(cfg.transport)
+        store = await asyncio.to_thread(open_object_store, cfg.object_store)
+        worker = RolloutWorker(transport, Topics(cfg.run_id), eng, store, learner_batch_samples=batch_samples,
+                               max_lag=cfg.learner.max_lag, tasks_per_batch=tasks_per_batch)  # fmt: skip
+        try:
+            await worker.run(stop)
+        finally:
+            await transport.close()
+
+    asyncio.run(_until_signalled(main))
+
+
+@app.command("producer")
+def producer(config: Path = CONFIG) -> None:
+    """Streams the configured built-in suite to the tasks topic within the pipeline's credits, and serves
+    the HTTP API (producer.http_port) for services that submit their own tasks."""
+    import uvicorn
+
+    from conveyor.topics import Topics
+    from conveyor.transport import open_transport
+    from producers.api import create_app
+    from producers.producer import TaskProducer
+    from producers.sources import suite_stream
+
+    cfg = _load(config, "producer")
+    pc = cfg.producer
+    partitions = getattr(cfg.transport, "partitions", 4)
+
+    async def main(stop: asyncio.Event) -> None:
+        transport = open_transport(cfg.transport)
+        topics = Topics(cfg.run_id)
+        await transport.create_topics(topics.specs(partitions))
+        jobs = []
+        server = None
+        if pc.http_port is not None:
+            api = create_app(transport, partitions=partitions, default_group_size=pc.group_size, max_batch=pc.max_batch)
+            server = uvicorn.Server(uvicorn.Config(api, host=pc.http_host, port=pc.http_port, log_config=None, access_log=False))
+            jobs.append(asyncio.create_task(server.serve()))
+        if pc.suite:
+            tasks = suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks)
+            prod = TaskProducer(transport, topics, tasks, learner_batch_samples=cfg.learner.batch_groups * pc.group_size,
+                                max_lag=cfg.learner.max_lag)  # fmt: skip
+            jobs.append(asyncio.create_task(prod.run(stop)))
+        try:
+            await stop.wait()
+        finally:
+            if server is not None:
+                server.should_exit = True
+            await asyncio.gather(*jobs, return_exceptions=True)
+            await transport.close()
+
+    asyncio.run(_until_signalled(main))

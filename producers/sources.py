@@ -1,0 +1,35 @@
+"""Endless task streams from the built-in suites (train split only)."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import random
+from collections.abc import Iterator
+
+from conveyor.contracts import Task
+
+SUITES = ("pyexpr", "python_functions", "terminal", "math_numeric", "tool_calls")
+
+
+def suite_stream(name: str, run_id: str, group_size: int, *, seed: int = 0, max_tasks: int | None = None) -> Iterator[Task]:
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; built in: {', '.join(SUITES)}")
+    mod = importlib.import_module(f"producers.suites.{name}")
+    rng = random.Random(seed)
+    if name == "pyexpr":
+        stream = (mod.to_task(p, run_id, group_size, i) for i, p in enumerate(mod.sample_problems(rng)))
+    else:
+        train = [p for p in mod.problems() if p.split == "train"]
+
+        def epochs() -> Iterator[Task]:
+            index = 0
+            while True:
+                order = list(train)
+                rng.shuffle(order)  # a new order every epoch, the same for the same seed
+                for p in order:
+                    yield mod.to_task(p, run_id, group_size, index)
+                    index += 1
+
+        stream = epochs()
+    return itertools.islice(stream, max_tasks) if max_tasks else stream
