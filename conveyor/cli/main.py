@@ -9,10 +9,12 @@ from typing import Optional
 
 import typer
 
+from conveyor.cli import run as run_cli
 from conveyor.cli import runs as runs_cli
 from conveyor.cli import sandbox as sandbox_cli
 from conveyor.cli import serve as serve_cli
 from conveyor.cli import stack as stack_cli
+from conveyor.cli import tasks as tasks_cli
 from conveyor.cli import topics as topics_cli
 from conveyor.cli import train as train_cli
 
@@ -32,6 +34,10 @@ app.add_typer(serve_cli.app, name="serve")
 app.add_typer(runs_cli.app, name="runs")
 app.command("replay")(runs_cli.replay)
 app.add_typer(train_cli.app, name="train")
+app.command("run")(run_cli.run)
+app.command("status")(run_cli.status)
+app.add_typer(tasks_cli.app, name="tasks")
+app.command("submit")(tasks_cli.submit)
 
 
 @app.callback()

@@ -1,0 +1,97 @@
+"""``conveyor run CONFIG --stack local`` and ``conveyor status``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def run(
+    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Run config (YAML)."),
+    stack: str = typer.Option("local", "--stack", help="local: start (or reuse) the local stack and point the run at it."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="The local stack's directory [default .conveyor/stack]."),
+    model: Optional[Path] = typer.Option(None, "--model", exists=True, file_okay=False,
+                                         help="Initial policy (HF directory); default: the demo's tiny model, warmed up."),  # fmt: skip
+    rollout_workers: int = typer.Option(1, min=1),
+    reward_workers: int = typer.Option(1, min=1),
+    budget: float = typer.Option(120.0, help="Seconds to run before draining (0: until Ctrl-C)."),
+    warmup_steps: int = typer.Option(800, help="Warm-up steps of the default model."),
+    out: Path = typer.Option(Path("runs"), help="Runs directory."),
+) -> None:
+    """Run every role as its own process (conveyor serve <role>), meeting only through topics, Celery and S3."""
+    from conveyor.config import load_run_config
+    from conveyor.errors import ConfigError
+    from conveyor.logging import configure_logging
+    from conveyor.orchestrate import Supervisor, resolve_for_stack, write_run_config
+    from conveyor.stack.manager import Stack, StackError, pid_alive
+
+    configure_logging("run", fmt="console", level="info")
+    if stack != "local":
+        raise typer.BadParameter("only --stack local is built in; for Kubernetes see deploy/", param_hint="--stack")
+    try:
+        cfg = load_run_config(config)
+    except ConfigError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    st = Stack(state_dir)
+    running = {n: c for n, c in st.read_state().items() if pid_alive(c.pid)}
+    if not {"kafka", "s3", "redis"} <= running.keys():
+        try:
+            st.up(["kafka", "s3", "redis"], timeout_s=90)
+        except StackError as exc:
+            typer.secho(str(exc), fg=typer.colors.RED, err=True)
+            raise typer.Exit(getattr(exc, "exit_code", 1))
+    run_dir = (out / cfg.run_id).resolve()
+    path = write_run_config(run_dir, resolve_for_stack(cfg, st.endpoints()))
+    model_dir = model or _default_model(run_dir / "model", warmup_steps)
+    sup = Supervisor(run_dir, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers)
+    typer.echo(f"run {cfg.run_id}: config {path}, logs {run_dir / 'logs'}")
+    sup.start()
+    started = time.monotonic()
+    try:
+        while budget <= 0 or time.monotonic() - started < budget:
+            sup.tick()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        typer.echo("stopping (draining front to back)...")
+    codes = sup.stop()
+    restarts = {n: r.restarts for n, r in sup.roles.items() if r.restarts}
+    typer.echo(json.dumps({"exit_codes": codes, "restarts": restarts}))
+
+
+def _default_model(model_dir: Path, warmup_steps: int) -> Path:
+    if (model_dir / "config.json").exists():
+        return model_dir
+    import random
+
+    import torch
+
+    from conveyor.demo import DemoConfig, _warmup
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+
+    torch.manual_seed(0)
+    model, tok = create_tiny_llama(model_dir, ALPHABET, seed=0)
+    _warmup(model, tok, DemoConfig(warmup_steps=warmup_steps), random.Random(0))
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+def status(
+    run_id: str = typer.Argument(..., help="Run id (its config is runs/<run>/run.yaml unless --config)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", exists=True, dir_okay=False),
+    out: Path = typer.Option(Path("runs"), help="Runs directory."),
+) -> None:
+    """Per-topic consumer lag, workers alive, policy version, throughput and the lake of a run."""
+    from conveyor.config import load_run_config
+    from conveyor.status import collect
+
+    path = config or out / run_id / "run.yaml"
+    if not path.exists():
+        raise typer.BadParameter(f"no config at {path}; pass --config", param_hint="--config")
+    typer.echo(json.dumps(asyncio.run(collect(load_run_config(path))), indent=2, default=str))
