@@ -245,9 +245,15 @@ class ServiceClients:
         return self
 
     def publisher(self, topic: str, **kwargs) -> Publisher:
+        from conveyor.metrics import process_metrics
+
+        kwargs.setdefault("metrics", process_metrics())
         return Publisher(self.producer, topic, **kwargs)
 
     async def subscribe(self, topics: Sequence[str], group_id: str, message_type: type[M], **kwargs) -> Subscriber[M]:
+        from conveyor.metrics import process_metrics
+
+        kwargs.setdefault("metrics", process_metrics())
         sub = Subscriber(self.transport, topics, group_id, message_type, dead_letters=self.dead_letters, **kwargs)
         await sub.start()
         self._subscribers.append(sub)

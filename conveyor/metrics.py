@@ -45,3 +45,21 @@ class TransportMetrics:
 def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> None:
     """Expose ``registry`` at http://addr:port/metrics (a daemon thread)."""
     start_http_server(port, addr=addr, registry=registry)
+
+
+_process: TransportMetrics | None = None
+
+
+def enable_process_metrics(port: int, addr: str = "0.0.0.0") -> TransportMetrics:
+    """One service per process (``conveyor serve``): its transport metrics, served on ``port``.
+    Embedded mode never calls this, so several services in one process do not collide."""
+    global _process
+    if _process is None:
+        registry = make_registry()
+        _process = TransportMetrics.create(registry)
+        serve_metrics(port, registry, addr)
+    return _process
+
+
+def process_metrics() -> TransportMetrics | None:
+    return _process

@@ -29,6 +29,10 @@ def _load(config: Path, role: str):
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level)
+    if cfg.metrics.port is not None:
+        from conveyor.metrics import enable_process_metrics
+
+        enable_process_metrics(cfg.metrics.port)  # /metrics: messages published/consumed/dead-lettered per topic
     return cfg
 
 
