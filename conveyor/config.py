@@ -214,6 +214,9 @@ class ProducerConfig(_Section):
     """Serve the HTTP API here (0: any free port; None: no API)."""
     max_batch: int = Field(1000, ge=1)
     """Most tasks accepted in one HTTP submission."""
+    curriculum: bool = False
+    """Schedule the suite through producers/curriculum.py (re-queue mixed, retire solved, keep hard ones coming)."""
+    min_hard_fraction: float = Field(0.1, ge=0, le=1)
 
 
 class LearnerConfig(_Section):

@@ -125,6 +125,7 @@ class GRPOLearner:
         self._groups: dict[str, dict[str, Delivery[ScoredRollout]]] = {}
         self._first_seen: dict[str, float] = {}
         self._consumed_records: list = []  # records trained on or dropped since the last commit
+        self._reported, self._reported_at = 0, 0.0  # samples_consumed last published on the progress topic
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ run
@@ -151,20 +152,16 @@ class GRPOLearner:
             self._expire()
             batch = self._ready_batch()
             if batch is None:
+                # Skipped duplicates and expired groups count as consumed too: report them even
+                # without a step, or producers and workers waiting on credits would stall.
+                if self.samples_consumed != self._reported and time.monotonic() - self._reported_at > 1.0:
+                    await self._publish_progress(progress_pub)
                 continue
             stats = await asyncio.to_thread(self._train_step, batch)
             self.version += 1
             await self._publish_weights(weights_pub)
             self.samples_consumed += sum(len(g) for g in batch)
-            await progress_pub.publish_and_wait(
-                LearnerProgress(
-                    run_id=self.topics.run_id,
-                    samples_consumed=self.samples_consumed,
-                    policy_version=self.version,
-                    step=self.step,
-                ),
-                key=self.topics.run_id,
-            )
+            await self._publish_progress(progress_pub)
             self._position.update(self._safe_offsets())
             if not self.checkpoint_every:
                 await sub.commit_offsets(dict(self._position))
@@ -174,12 +171,22 @@ class GRPOLearner:
         if self.checkpoint_every and self.step != self.resumed_from:
             await self.checkpoint(sub)  # a clean stop leaves nothing to re-train
 
+    async def _publish_progress(self, pub: Publisher) -> None:
+        await pub.publish_and_wait(
+            LearnerProgress(
+                run_id=self.topics.run_id, samples_consumed=self.samples_consumed, policy_version=self.version, step=self.step
+            ),
+            key=self.topics.run_id,
+        )
+        self._reported, self._reported_at = self.samples_consumed, time.monotonic()
+
     # -------------------------------------------------------------- batching
     def _add(self, d: Delivery[ScoredRollout]) -> None:
         s = d.message
         if s.rollout_id in self.trained_ids:
             self.counters["duplicates_skipped"] += 1
             self._consumed_records.append(d.record)
+            self.samples_consumed += 1  # taken off the topic: admission control must see it consumed
             return
         task_id = s.rollout.task_id
         self._groups.setdefault(task_id, {})[s.rollout_id] = d
@@ -194,6 +201,7 @@ class GRPOLearner:
                 self.counters["groups_incomplete"] += 1
                 log.warning("learner.group_incomplete", task_id=task_id, have=len(group), want=size)
                 self._consumed_records.extend(d.record for d in group.values())
+                self.samples_consumed += len(group)
                 del self._groups[task_id], self._first_seen[task_id]
 
     def _ready_batch(self) -> list[list[ScoredRollout]] | None:

@@ -33,3 +33,11 @@ def suite_stream(name: str, run_id: str, group_size: int, *, seed: int = 0, max_
 
         stream = epochs()
     return itertools.islice(stream, max_tasks) if max_tasks else stream
+
+
+def suite_tasks(name: str, run_id: str, group_size: int) -> list[Task]:
+    """One task per train problem of a finite suite (what a curriculum schedules)."""
+    if name == "pyexpr" or name not in SUITES:
+        raise ValueError(f"suite {name!r} has no finite problem list: use one of {', '.join(SUITES[1:])}")
+    mod = importlib.import_module(f"producers.suites.{name}")
+    return [mod.to_task(p, run_id, group_size, i) for i, p in enumerate(p for p in mod.problems() if p.split == "train")]

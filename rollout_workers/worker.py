@@ -123,7 +123,7 @@ class RolloutWorker:
             by_size.setdefault(key, []).append(t)
         out: list[Rollout] = []
         for (n, max_tokens, temperature, stop_strings), group in by_size.items():
-            prompts = [self.engine.encode(t.prompt or "") for t in group]
+            prompts = [self.engine.encode_prompt(t.prompt, t.messages) for t in group]
             stop_ids = {ids[0] for s in stop_strings if len(ids := self.engine.encode(s)) == 1}
             results = self.engine.generate(
                 prompts, n, max_new_tokens=max_tokens, temperature=temperature, stop_token_ids=stop_ids

@@ -248,9 +248,21 @@ def producer(config: Path = CONFIG) -> None:
             server = uvicorn.Server(uvicorn.Config(api, host=pc.http_host, port=pc.http_port, log_config=None, access_log=False))
             jobs.append(asyncio.create_task(server.serve()))
         if pc.suite:
-            tasks = suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks)
+            curriculum = None
+            if pc.curriculum:
+                from producers.curriculum import Curriculum, CurriculumConfig
+                from producers.sources import suite_tasks
+
+                curriculum = Curriculum(suite_tasks(pc.suite, cfg.run_id, pc.group_size),
+                                        CurriculumConfig(seed=pc.seed, min_hard_fraction=pc.min_hard_fraction))  # fmt: skip
+                tasks = curriculum
+            else:
+                tasks = suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks)
+            from storage.objectstore import open_object_store
+
+            store = await asyncio.to_thread(open_object_store, cfg.object_store)
             prod = TaskProducer(transport, topics, tasks, learner_batch_samples=cfg.learner.batch_groups * pc.group_size,
-                                max_lag=cfg.learner.max_lag)  # fmt: skip
+                                max_lag=cfg.learner.max_lag, store=store, curriculum=curriculum)  # fmt: skip
             jobs.append(asyncio.create_task(prod.run(stop)))
         try:
             await stop.wait()

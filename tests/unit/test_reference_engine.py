@@ -48,3 +48,16 @@ def test_greedy_is_deterministic(engine):
     a = engine.generate(p, 2, max_new_tokens=5, greedy=True)[0]
     b = engine.generate(p, 1, max_new_tokens=5, greedy=True)[0]
     assert a[0].token_ids == a[1].token_ids == b[0].token_ids
+
+
+def test_chat_messages_are_rendered_not_dropped(tmp_path):
+    from conveyor.contracts import ChatMessage
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    create_tiny_llama(tmp_path, "".join(sorted(set(ALPHABET + "abcdefghijklmnopqrstuvwxyz:"))), seed=0)
+    eng = ReferenceEngine(tmp_path)
+    ids = eng.encode_prompt(None, [ChatMessage(role="user", content="a = [1]")])
+    assert eng.decode(ids) == "user: a = [1]\nassistant: "
+    assert eng.encode_prompt("a = [1]") == eng.encode("a = [1]")
