@@ -60,6 +60,13 @@ def _kafka_fields() -> set[str]:
     return set(KafkaTransportConfig.model_fields)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it (a clean drain) if the supervisor dies, even by SIGKILL."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class Role:
     name: str
@@ -75,7 +82,9 @@ class Role:
     history: list[int] = field(default_factory=list)  # exit codes
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
         self.starts += 1
 
     @property

@@ -13,7 +13,7 @@ import asyncio
 import time
 
 from conveyor.config import RunConfig
-from conveyor.contracts import LearnerProgress, WeightsAnnouncement, decode
+from conveyor.contracts import DecodeError, LearnerProgress, WeightsAnnouncement, decode
 from conveyor.topics import Topics
 
 GROUPS = {
@@ -31,7 +31,10 @@ async def _latest(transport, topic: str, typ):
     try:
         for _ in range(3):
             for rec in await consumer.getmany(timeout_s=0.3, max_records=100_000):
-                latest = decode(rec.value, typ)
+                try:
+                    latest = decode(rec.value, typ)
+                except DecodeError:  # dead-lettered by the services; not status
+                    continue
     finally:
         await consumer.close()
     return latest

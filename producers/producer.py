@@ -16,10 +16,14 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import structlog
+
 from conveyor.contracts import LearnerProgress, ScoredRollout, Task
 from conveyor.messaging import Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
+
+log = structlog.get_logger(__name__)
 
 
 class TaskProducer:
@@ -63,12 +67,20 @@ class TaskProducer:
             return int(json.loads(self.store.get(self._position_key))["tasks"])
         except ObjectNotFound:
             return 0
+        # ObjectStoreUnavailable propagates: the service exits and is restarted (no guessing a position)
 
     def _save_position(self) -> None:
+        """Best effort: a position not saved only means some tasks are published again after a
+        restart (duplicates are absorbed downstream); an object-store outage must not stop the stream."""
         import json
 
+        from conveyor.errors import RetryableError
+
         if self.store is not None:
-            self.store.put(self._position_key, json.dumps({"tasks": self.position}).encode())
+            try:
+                self.store.put(self._position_key, json.dumps({"tasks": self.position}).encode())
+            except RetryableError as exc:
+                log.warning("producer.position_not_saved", position=self.position, error=str(exc)[:200])
 
     def _feed_curriculum(self, rows: list[ScoredRollout]) -> None:
         """Complete groups (all samples of one attempt of a task) go to the curriculum."""

@@ -264,9 +264,17 @@ def producer(config: Path = CONFIG) -> None:
             prod = TaskProducer(transport, topics, tasks, learner_batch_samples=cfg.learner.batch_groups * pc.group_size,
                                 max_lag=cfg.learner.max_lag, store=store, curriculum=curriculum)  # fmt: skip
             jobs.append(asyncio.create_task(prod.run(stop)))
+        stopper = asyncio.create_task(stop.wait())
         try:
-            await stop.wait()
+            # Whichever ends first: a stop signal, or a job (the suite ran out, or something failed).
+            done, _ = await asyncio.wait([stopper, *jobs], return_when=asyncio.FIRST_COMPLETED)
+            failed = [t for t in done if t is not stopper and t.exception() is not None]
+            if failed:
+                raise failed[0].exception()  # exit non-zero: a supervisor restarts the producer
+            if stopper not in done and server is not None:
+                await stop.wait()  # the suite is done; keep serving the HTTP API until told to stop
         finally:
+            stopper.cancel()
             if server is not None:
                 server.should_exit = True
             await asyncio.gather(*jobs, return_exceptions=True)

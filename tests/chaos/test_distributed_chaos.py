@@ -96,7 +96,7 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
                          "secret_access_key": s3_cfg.secret_access_key.get_secret_value()},  # fmt: skip
         "celery": {"type": "redis", "url": redis_url, "visibility_timeout_s": 20},
         "reward": {"timeout_s": 2, "soft_time_limit_s": 8, "hard_time_limit_s": 10, "queue": f"{run_id}-reward"},
-        "producer": {"suite": "pyexpr", "group_size": GROUP, "max_tasks": TASKS, "http_port": 0},
+        "producer": {"suite": "pyexpr", "group_size": GROUP, "max_tasks": TASKS, "http_port": None},
         "learner": {"batch_groups": 4, "max_lag": 3, "checkpoint_every": 2, "group_timeout_s": 60},
         "logging": {"level": "info", "format": "json"},
     }
