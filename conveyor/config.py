@@ -247,6 +247,8 @@ class LearnerConfig(_Section):
     pack_tokens: int = Field(4096, ge=0)
     """Sequences are packed (no padding) into packs of this many tokens; 0: pad instead."""
     activation_checkpointing: bool = False
+    micro_batch: int = Field(0, ge=0)
+    """Sequences per forward/backward; gradients accumulate over the step's batch (0: all at once)."""
 
 
 # --------------------------------------------------------------------------

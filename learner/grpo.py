@@ -72,6 +72,8 @@ def completion_logprobs(
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     logsm = torch.log_softmax(logits[:, :-1], dim=-1)
     logp = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -96,6 +98,7 @@ def clipped_pg_loss(
     cfg: LossConfig,
     proximal_logprobs: list[torch.Tensor] | None = None,
     reference_logprobs: list[torch.Tensor] | None = None,
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped objective of ``cfg.objective`` (to minimise) and its statistics.
 
@@ -141,10 +144,13 @@ def clipped_pg_loss(
         clipped += int(((unclipped > clip) & (mask > 0)).sum())
         per_seq.append(tok_loss)
         total_tokens += int(mask.sum())
+    # ``denominator``: the whole batch's token count (token aggregation) or sequence count
+    # (sequence aggregation) when this call sees one micro-batch of it (gradient accumulation).
     if cfg.aggregation == "token":
-        loss = torch.cat(per_seq).sum() / max(total_tokens, 1)
+        loss = torch.cat(per_seq).sum() / max(denominator or total_tokens, 1)
     else:
-        loss = torch.stack([s.sum() / max(int(m.sum()), 1) for s, m in zip(per_seq, loss_masks)]).mean()
+        per = torch.stack([s.sum() / max(int(m.sum()), 1) for s, m in zip(per_seq, loss_masks)])
+        loss = per.sum() / max(denominator or len(per_seq), 1)
     all_ratios = torch.cat(ratios) if ratios else torch.zeros(1)
     stats = {
         "importance_mean": float(all_ratios.mean()),

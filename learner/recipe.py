@@ -83,6 +83,7 @@ class GRPOLearner:
         keep_checkpoints: int = 2,
         warmup_steps: int = 0,
         pack_tokens: int = 4096,
+        micro_batch: int = 0,
     ) -> None:
         import torch
 
@@ -107,6 +108,7 @@ class GRPOLearner:
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
         self.pack_tokens = pack_tokens  # 0: pad to the longest sequence instead of packing
+        self.micro_batch = micro_batch  # sequences per forward/backward (gradient accumulation); 0: all
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self.resumed_from: int | None = None  # step of the checkpoint this process resumed from
@@ -275,28 +277,11 @@ class GRPOLearner:
         stats: dict = {"loss": None, "importance_mean": None, "importance_max": None, "clip_fraction": None}
         tokens = 0
         if prompts:
-            prox = ref = None
-            if self.loss_cfg.objective == "decoupled":
-                with torch.no_grad():  # the proximal policy: current weights, before this update
-                    self.model.eval()
-                    prox = completion_logprobs(self.model, prompts, completions, self.pad_id)
-            if self.loss_cfg.kl_coef > 0:
-                with torch.no_grad():
-                    ref = completion_logprobs(self._reference_model(), prompts, completions, self.pad_id)
-            self.model.train()
-            entropy: list[float] = []
-            if self.pack_tokens:
-                new = packed_completion_logprobs(self.model, prompts, completions, pack_tokens=self.pack_tokens, entropy=entropy)
-            else:
-                new = completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy)
-            loss, st = clipped_pg_loss(new, behaviour, advantages, masks, self.loss_cfg, prox, ref)
-            st["entropy"] = entropy[0]
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, st = self._accumulate(prompts, completions, behaviour, advantages, masks)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
             self.scheduler.step()
-            stats.update(st, loss=float(loss.detach()), grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+            stats.update(st, loss=loss, grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
             tokens = int(st["tokens"])
         self.step += 1
         elapsed = time.monotonic() - t0
@@ -311,6 +296,59 @@ class GRPOLearner:
             step_s=elapsed,
         )
         return stats
+
+    def _accumulate(self, prompts, completions, behaviour, advantages, masks) -> tuple[float, dict]:
+        """Forward and backward in micro-batches of ``micro_batch`` sequences (0: all at once); the
+        gradients equal one pass over the whole batch (each part is normalised by the batch's totals)."""
+        import torch
+
+        n = len(prompts)
+        size = self.micro_batch or n
+        device = next(self.model.parameters()).device
+        on_gpu = device.type == "cuda"
+        behaviour = [b.to(device) for b in behaviour]
+        masks = [m.to(device) for m in masks]
+        agg_tokens = float(sum(float(m.sum()) for m in masks))
+        denominator = agg_tokens if self.loss_cfg.aggregation == "token" else float(n)
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, parts, entropies = 0.0, [], []
+        for lo in range(0, n, size):
+            sl = slice(lo, lo + size)
+            p, c = prompts[sl], completions[sl]
+            prox = ref = None
+            if self.loss_cfg.objective == "decoupled":
+                with torch.no_grad():  # the proximal policy: current weights, before this update
+                    self.model.eval()
+                    prox = completion_logprobs(self.model, p, c, self.pad_id)
+            if self.loss_cfg.kl_coef > 0:
+                with torch.no_grad():
+                    ref = completion_logprobs(self._reference_model(), p, c, self.pad_id)
+            self.model.train()
+            ent: list[float] = []
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):  # bf16 matmuls on GPU, fp32 log-softmax
+                if self.pack_tokens:
+                    new = packed_completion_logprobs(self.model, p, c, pack_tokens=self.pack_tokens, entropy=ent)
+                else:
+                    new = completion_logprobs(self.model, p, c, self.pad_id, entropy=ent)
+            new = [x.float() for x in new]
+            loss, st = clipped_pg_loss(new, behaviour[sl], advantages[sl], masks[sl], self.loss_cfg, prox, ref, denominator)
+            loss.backward()
+            total_loss += float(loss.detach())
+            parts.append(st)
+            entropies.append(ent[0])
+        tokens = sum(st["tokens"] for st in parts)
+        weighted = lambda k: sum(st[k] * st["tokens"] for st in parts) / max(tokens, 1)  # noqa: E731
+        stats = {
+            "importance_mean": weighted("importance_mean"),
+            "importance_max": max(st["importance_max"] for st in parts),
+            "clip_fraction": weighted("clip_fraction"),
+            "tokens": tokens,
+            "entropy": sum(entropies) / len(entropies),
+            "micro_batches": len(parts),
+        }
+        if any("kl" in st for st in parts):
+            stats["kl"] = weighted("kl")
+        return total_loss, stats
 
     def _reference_model(self):
         """A frozen copy of the starting policy (for the KL penalty), made on first use."""

@@ -157,6 +157,8 @@ def learner(
         torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if torch.cuda.is_available():
+        policy = policy.cuda()  # fp32 master weights; the step autocasts to bf16
     if lc.activation_checkpointing:
         policy.gradient_checkpointing_enable()
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, max_importance_weight=lc.max_importance_weight,
@@ -172,7 +174,7 @@ def learner(
             transport, Topics(cfg.run_id), policy, tok.pad_token_id, store, run_dir=out,
             batch_groups=lc.batch_groups, max_lag=lc.max_lag, lr=lc.lr, loss=loss, group_timeout_s=lc.group_timeout_s,
             keep_versions=lc.keep_versions, checkpoint_every=lc.checkpoint_every, keep_checkpoints=lc.keep_checkpoints,
-            warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens,
+            warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens, micro_batch=lc.micro_batch,
         )  # fmt: skip
         try:
             await lrn.run(stop)
