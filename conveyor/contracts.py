@@ -324,9 +324,11 @@ class DeadLetter(Message, frozen=True, kw_only=True, tag="dead_letter"):
     source_partition: int
     source_offset: int
     key: bytes | None
-    raw: bytes
+    raw: bytes  # the record's value, cut at DEAD_LETTER_RAW_LIMIT (the full value stays at the source offset)
     error: str
     service: str
+    raw_size: int = 0  # the full value's size in bytes
+    raw_truncated: bool = False
 
 
 def dead_letter_id(topic: str, partition: int, offset: int) -> str:

@@ -116,6 +116,9 @@ class Delivery(Generic[M]):
     record: Record
 
 
+DEAD_LETTER_RAW_LIMIT = 256 << 10
+
+
 class DeadLetterSink:
     """Publishes undecodable records to the dead-letter topic and waits for the ack."""
 
@@ -125,15 +128,21 @@ class DeadLetterSink:
         self.service = service
 
     async def send(self, record: Record, error: str) -> None:
+        # An oversized record must not make an oversized dead letter (the broker would refuse it and
+        # the service would crash-loop on the same record): keep its head; the whole value stays
+        # in the source topic at the recorded offset.
+        raw = record.value[:DEAD_LETTER_RAW_LIMIT]
         letter = DeadLetter(
             dead_letter_id=dead_letter_id(record.topic, record.partition, record.offset),
             source_topic=record.topic,
             source_partition=record.partition,
             source_offset=record.offset,
             key=record.key,
-            raw=record.value,
+            raw=raw,
             error=error[:4000],
             service=self.service,
+            raw_size=len(record.value),
+            raw_truncated=len(raw) < len(record.value),
         )
         await self.producer.send_and_wait(self.topic, encode(letter), record.key)
 

@@ -1,7 +1,7 @@
 """A distributed run on the local stack, every role its own process, under fire:
 kill -9 of a random role at random moments (at least 20 kills, every role at
 least twice, the supervisor restarting each), S3 stopped for 30 s mid-run,
-and malformed records injected on every topic. At the end: every task was
+and malformed records injected on every topic (and one oversized record). At the end: every task was
 rolled out, every rollout scored, every scored rollout is in the lake once,
 no rollout was trained on twice, and the malformed records are on the
 dead-letter topic."""
@@ -60,6 +60,7 @@ def inject_garbage(kafka_cfg, topics: Topics) -> list[str]:
         await p.start()
         for name in names:
             await p.send_and_wait(name, b"\x00garbage, not msgpack" + os.urandom(16), b"chaos")
+        await p.send_and_wait(topics.rollouts, b"\xc1" + os.urandom(3 << 20), b"chaos-oversized")  # 3 MiB of noise
         await p.close()
         await t.close()
 
@@ -161,6 +162,7 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     double = sum(1 for n in ledger.values() if n > 1)
     letters = read_topic(kafka_cfg, topics.dead_letter, DeadLetter)
     dead_lettered = {d.source_topic for d in letters if d.key == b"chaos"}
+    oversized = [d for d in letters if d.key == b"chaos-oversized"]
     print(json.dumps({"kills": dict(kills), "restarts": restarts, "exit_codes": codes, "tasks": len(tasks), "rollouts": len(rollout_ids),
                       "scored": len(scored), "lake": len(lake), "trained": len(ledger)}))  # fmt: skip
     print(f"FIGURE chaos_kills {sum(kills.values())} count")
@@ -173,3 +175,4 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     assert double == 0 and len(ledger) > 0
     assert set(ledger) <= scored
     assert dead_lettered >= set(injected or []), dead_lettered
+    assert oversized and all(d.raw_truncated and d.raw_size > 3 << 20 for d in oversized)

@@ -60,3 +60,20 @@ async def test_tampered_claim_is_dead_lettered_not_delivered(tmp_path):
     letter = decode(transport.broker.topics["dl"][0][0].value, DeadLetter)
     assert "ChecksumMismatch" in letter.error
     assert msgspec.msgpack.decode(letter.raw)["key"] == ref.key
+
+
+async def test_oversized_garbage_makes_a_bounded_dead_letter():
+    from conveyor.messaging import DEAD_LETTER_RAW_LIMIT
+
+    transport = MemoryTransport(partitions=1)
+    producer = transport.producer()
+    huge = b"\xc1" + b"x" * (6 << 20)  # not msgpack, and far larger than a dead letter may be
+    await producer.send_and_wait("rollouts", huge, b"k")
+    await Publisher(producer, "rollouts").publish_and_wait(big_rollout(5), "t")
+    sub = Subscriber(transport, ["rollouts"], "g", Rollout, dead_letters=DeadLetterSink(producer, "dl", "svc"))
+    await sub.start()
+    got = await sub.poll(timeout_s=0.2)
+    assert [d.message.rollout_id for d in got] == [big_rollout(5).rollout_id]  # the next record is still delivered
+    letter = decode(transport.broker.topics["dl"][0][0].value, DeadLetter)
+    assert letter.raw_truncated and letter.raw_size == len(huge) and len(letter.raw) == DEAD_LETTER_RAW_LIMIT
+    assert (letter.source_topic, letter.source_offset) == ("rollouts", 0)
