@@ -7,7 +7,7 @@ rate every ``--eval-every`` seconds of wall time (the same evaluation cost
 per second in both runs). The figure is the lock-step run's wall
 time to reach the threshold divided by the asynchronous run's.
 
-    python bench/async_vs_sync.py [--seed 0] [--budget 150] [--threshold 0.8]
+    python bench/async_vs_sync.py [--seed 0] [--budget 150] [--threshold 0.8] [--engine-process]
 
 Ends with ``FIGURE async_speedup <v> x``.
 """
@@ -15,7 +15,10 @@ Ends with ``FIGURE async_speedup <v> x``.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not bench/
 
 
 def time_to(evals: list[dict], threshold: float) -> float | None:
@@ -34,6 +37,7 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--eval-every", type=float, default=2.0, help="seconds between held-out evaluations")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--engine-process", action="store_true", help="both runs sample in a child process")
     args = parser.parse_args()
 
     results = {}
@@ -45,7 +49,8 @@ def main() -> None:
             eval_every_s=args.eval_every,
             target_pass_rate=args.threshold,
             out_dir=args.out,
-            run_id=f"bench-{mode}-s{args.seed}",
+            run_id=f"bench-{mode}-s{args.seed}{'-proc' if args.engine_process else ''}",
+            engine_process=args.engine_process,
         )
         r = run_demo(cfg)
         results[mode] = r

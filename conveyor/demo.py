@@ -48,6 +48,7 @@ class DemoConfig:
     group_size: int = 8
     max_lag: int = 1
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
+    engine_process: bool = False  # run the rollout worker's engine in a child process
     lr: float = 5e-4
     heldout_size: int = 100
     eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs
@@ -269,7 +270,12 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     log.info("demo.warmup_done", loss=round(warm_loss, 4), seconds=round(time.monotonic() - t0, 1))
 
     sandbox = Sandbox(SandboxLimits(timeout_s=1.0))
-    engine = ReferenceEngine(model_dir, seed=cfg.seed)
+    if cfg.engine_process:  # sampling in its own process: no GIL contention with the learner
+        from rollout_workers.process_engine import ProcessEngine
+
+        engine = ProcessEngine(model_dir, seed=cfg.seed, threads=cfg.threads_per_role)
+    else:
+        engine = ReferenceEngine(model_dir, seed=cfg.seed)
     eval_engine = ReferenceEngine(model_dir, seed=cfg.seed)
     heldout = [to_task(p, run_id, 1, i, "heldout") for i, p in enumerate(heldout_set(cfg.heldout_size))]
     evaluator = Evaluator(eval_engine, sandbox, heldout)
@@ -290,7 +296,11 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         "evals": [{"version": 0, "wall_s": 0.0, "pass_rate": start_rate}],
         "cfg": cfg,
     }
-    asyncio.run(_run_services(cfg, ctx, display))
+    try:
+        asyncio.run(_run_services(cfg, ctx, display))
+    finally:
+        if cfg.engine_process:
+            engine.close()
 
     learner = ctx["learner"]
     if not ctx["evals"] or ctx["evals"][-1]["version"] != learner.version:

@@ -25,22 +25,10 @@ class Completion:
     policy_version: int
 
 
-class ReferenceEngine:
-    def __init__(self, model_dir: str | Path, *, seed: int = 0, threads: int | None = None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+class Tokenizing:
+    """Encoding and decoding with the model's tokenizer (``self.tokenizer``)."""
 
-        if threads:
-            torch.set_num_threads(threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.generator = torch.Generator().manual_seed(seed)
-        self.version = 0
-        self._lock = threading.Lock()
-        # transformers 5 renamed `past_key_values` to `cache` (input and output).
-        import inspect
-
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+    tokenizer = None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -57,6 +45,24 @@ class ReferenceEngine:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+
+class ReferenceEngine(Tokenizing):
+    def __init__(self, model_dir: str | Path, *, seed: int = 0, threads: int | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0
+        self._lock = threading.Lock()
+        # transformers 5 renamed `past_key_values` to `cache` (input and output).
+        import inspect
+
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def load_state_dict(self, state: dict, version: int) -> None:
         """Swap to ``state`` (a full or HF-style state dict, tied weights stored once)."""

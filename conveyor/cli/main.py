@@ -103,6 +103,7 @@ def demo(
     warmup_steps: int = typer.Option(800, help="Supervised warm-up steps."),
     warmup_noise: float = typer.Option(0.7, help="How often the warm-up teacher is wrong on the expressions it confuses."),
     max_lag: int = typer.Option(1, help="Policy versions a sample may lag the learner."),
+    engine_process: bool = typer.Option(False, "--engine-process", help="Sample in a child process (no GIL contention with the learner)."),
     objective: str = typer.Option("behaviour", help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
     target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
     eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds."),
@@ -114,7 +115,7 @@ def demo(
     cfg = DemoConfig(
         seed=seed, engine=engine, sync=sync, rl_budget_s=budget, max_steps=max_steps, warmup_steps=warmup_steps,
         warmup_noise=warmup_noise,
-        max_lag=max_lag, objective=objective, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
+        max_lag=max_lag, objective=objective, engine_process=engine_process, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
     )
     display = make_display(sys.stderr.isatty())
     try:

@@ -61,3 +61,22 @@ def test_chat_messages_are_rendered_not_dropped(tmp_path):
     ids = eng.encode_prompt(None, [ChatMessage(role="user", content="a = [1]")])
     assert eng.decode(ids) == "user: a = [1]\nassistant: "
     assert eng.encode_prompt("a = [1]") == eng.encode("a = [1]")
+
+
+def test_process_engine_samples_like_the_in_process_one(tmp_path):
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+    from rollout_workers.process_engine import ProcessEngine
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    model, _ = create_tiny_llama(tmp_path, ALPHABET, seed=0)
+    local, remote = ReferenceEngine(tmp_path, seed=0), ProcessEngine(tmp_path, seed=0)
+    try:
+        prompt = [local.encode("a = [1]")]
+        greedy = dict(max_new_tokens=5, greedy=True)
+        assert [c.token_ids for c in remote.generate(prompt, 2, **greedy)[0]] == [c.token_ids for c in local.generate(prompt, 2, **greedy)[0]]
+        state = {k: v * 0 for k, v in model.state_dict().items()}
+        remote.load_state_dict(state, 7)
+        assert remote.version == 7 and remote.generate(prompt, 1, **greedy)[0][0].policy_version == 7
+    finally:
+        remote.close()
