@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT, free_port_block
 
-SCRIPT = Path(__file__).with_name("dist") / "fsdp_step.py"
+SCRIPT = Path(__file__).with_name("fsdp_step.py")  # run by torchrun, not collected (no test_ prefix)
 
 
 def run(nproc: int, out: Path) -> dict:
