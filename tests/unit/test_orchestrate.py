@@ -1,0 +1,39 @@
+"""The distributed run's supervisor and config resolution, with stand-in processes."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from conveyor.config import parse_run_config
+from conveyor.orchestrate import STOP_ORDER, Supervisor, resolve_for_stack
+
+
+def test_config_is_pointed_at_the_local_stack():
+    cfg = parse_run_config({"run_id": "x", "learner": {"batch_groups": 4}})
+    data = resolve_for_stack(cfg, {"kafka": "127.0.0.1:1", "s3": "http://127.0.0.1:2", "redis": "redis://127.0.0.1:3/0"})
+    resolved = parse_run_config(data)
+    assert resolved.transport.type == "kafka" and resolved.transport.bootstrap_servers == "127.0.0.1:1"
+    assert resolved.object_store.type == "s3" and resolved.object_store.endpoint_url == "http://127.0.0.1:2"
+    assert resolved.celery.type == "redis" and resolved.celery.visibility_timeout_s > resolved.reward.hard_time_limit_s
+    assert resolved.learner.batch_groups == 4
+
+
+def test_crashed_roles_restart_a_finished_producer_does_not(tmp_path):
+    sup = Supervisor(tmp_path, tmp_path / "run.yaml", tmp_path)
+    py = sys.executable
+    for name, role in sup.roles.items():
+        role.argv = [py, "-c", "import time; time.sleep(60)"]
+    sup.roles["producer"].argv = [py, "-c", "pass"]  # finishes its suite
+    sup.roles["learner"].argv = [py, "-c", "import sys; sys.exit(3)"]  # crashes
+    sup.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sup.roles["learner"].restarts < 2:
+        sup.tick()
+        time.sleep(0.1)
+    assert sup.roles["learner"].restarts >= 2 and 3 in sup.roles["learner"].history
+    assert sup.roles["producer"].done and sup.roles["producer"].restarts == 0
+    assert sup.roles["storage-sink"].pid is not None and sup.roles["storage-sink"].restarts == 0
+    codes = sup.stop(grace_s=5)
+    assert codes["storage-sink"] == -15  # SIGTERM
+    assert list(codes)[: 1] == ["producer"] and set(STOP_ORDER) <= {n.rsplit("-", 1)[0] if n[-1].isdigit() else n for n in codes}
