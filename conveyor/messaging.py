@@ -117,6 +117,9 @@ class Delivery(Generic[M]):
 
 
 DEAD_LETTER_RAW_LIMIT = 256 << 10
+DRAINED_AFTER_EMPTY_POLLS = 3
+"""A service told to stop drains its input: it is done once the topic stayed quiet this many polls
+(one empty poll is not enough: a fetch can come back empty while records are on their way)."""
 
 
 class DeadLetterSink:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 import structlog
 
 from conveyor.contracts import Rollout, ScoredRollout
-from conveyor.messaging import Publisher, ServiceClients
+from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 
@@ -58,8 +58,8 @@ class RewardBridge:
                 deliveries = await sub.poll(timeout_s=0.2, max_records=self.max_batch)
                 if not deliveries:
                     quiet += 1
-                    if stopping and quiet >= 3:
-                        return  # drained: the topic stayed quiet for 3 polls after the stop
+                    if stopping and quiet >= DRAINED_AFTER_EMPTY_POLLS:
+                        return  # drained: everything published upstream is scored
                     continue
                 quiet = 0
                 fresh = {d.message.rollout_id: d.message for d in deliveries if d.message.rollout_id not in self._seen}

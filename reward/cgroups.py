@@ -27,6 +27,8 @@ from pathlib import Path
 
 import structlog
 
+from conveyor.stack.manager import pid_alive
+
 log = structlog.get_logger(__name__)
 ROOT = Path("/sys/fs/cgroup")
 PREFIX = "conveyor-sbx-"
@@ -165,18 +167,9 @@ class CgroupFactory:
         for parent in self.parents:
             for d in parent.glob(PREFIX + "*"):
                 owner = d.name[len(PREFIX) :].split("-")[0]
-                if owner.isdigit() and _alive(int(owner)):
+                if owner.isdigit() and pid_alive(int(owner)):
                     continue
                 Cgroup(self.version, [d]).remove()
                 removed += not d.exists()
         return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -315,12 +315,13 @@ class LakeFilter:
     scored_before: float | None = None
 
     def admits_part(self, m: dict) -> bool:
+        """Whether a part's manifest statistics (reward, time, verdicts) allow a matching row."""
+
         def overlaps(lo, hi, a, b):
             return (lo is None or b >= lo) and (hi is None or a <= hi)
 
         return (
-            overlaps(self.policy_version_min, self.policy_version_max, m["policy_version_min"], m["policy_version_min"])
-            and overlaps(self.reward_min, self.reward_max, m["reward_min"], m["reward_max"])
+            overlaps(self.reward_min, self.reward_max, m["reward_min"], m["reward_max"])
             and overlaps(self.scored_after, self.scored_before, m["scored_at_min"], m["scored_at_max"])
             and (self.verdicts is None or bool(self.verdicts & set(m["verdicts"])))
         )
@@ -363,25 +364,25 @@ class LakeReader:
         return out
 
     def parts(self, flt: LakeFilter | None = None) -> list[str]:
+        """The parts that may hold rows the filter admits, in replay order. The policy version
+        is in each part's key; the manifest (one GET per part) is read only when the filter
+        bounds reward, time or verdict."""
         flt = flt or LakeFilter()
-        manifest = self.manifest()
-        keys = [
-            i.key
-            for i in self.store.list(lake_prefix(self.run_id) + "policy_version=")
-            if i.key.endswith(".parquet")
-        ]
+        by_stats = any(b is not None for b in (flt.reward_min, flt.reward_max, flt.scored_after, flt.scored_before, flt.verdicts))
+        manifest = self.manifest() if by_stats else {}
         keep = []
-        for key in keys:
-            m = manifest.get(key)
-            v = _version_of(key)
-            if m is not None and not flt.admits_part(m):
+        for info in self.store.list(lake_prefix(self.run_id) + "policy_version="):
+            if not info.key.endswith(".parquet"):
                 continue
-            if m is None and not (
-                (flt.policy_version_min is None or v >= flt.policy_version_min)
-                and (flt.policy_version_max is None or v <= flt.policy_version_max)
+            v = _version_of(info.key)
+            if (flt.policy_version_min is not None and v < flt.policy_version_min) or (
+                flt.policy_version_max is not None and v > flt.policy_version_max
             ):
                 continue
-            keep.append(key)
+            m = manifest.get(info.key)
+            if m is not None and not flt.admits_part(m):  # a part without a manifest entry is read
+                continue
+            keep.append(info.key)
         return sorted(keep, key=lambda k: (_version_of(k), k))
 
     def _load(self, key: str) -> list[ScoredRollout]:

@@ -25,14 +25,13 @@ import structlog
 
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import RetryableError
-from conveyor.messaging import ServiceClients
+from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 from storage.lake import write_parts
 from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
-DRAINED_AFTER_EMPTY_POLLS = 3  # stopping: drained once the topic stayed quiet this many polls (0.6 s)
 
 
 class StorageSink:

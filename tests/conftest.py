@@ -111,3 +111,26 @@ def make_rollout_for(task, completion: str, sample_index: int = 0):
 
 def decode_bytes(ids) -> str:
     return bytes(ids).decode()
+
+
+def open_sandbox(*, parallel: int | None = None, warm: bool = False, **limits):
+    """A reward sandbox with these limits; where bubblewrap cannot run: fail in CI, skip elsewhere."""
+    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+
+    try:
+        return Sandbox(SandboxLimits(**limits), parallel=parallel, warm=warm)
+    except SandboxUnavailable as exc:
+        service_unavailable(f"bubblewrap sandbox: {exc}")
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """The same tests against a local directory and the stack's SeaweedFS (a fresh key prefix each)."""
+    import uuid
+
+    from storage.objectstore import LocalObjectStore, S3ObjectStore
+
+    if request.param == "local":
+        return LocalObjectStore(tmp_path / "objects")
+    cfg = request.getfixturevalue("s3_cfg")
+    return S3ObjectStore(cfg.model_copy(update={"prefix": f"test-{uuid.uuid4().hex[:8]}/"}))

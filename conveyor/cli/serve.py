@@ -44,6 +44,24 @@ async def _until_signalled(run, *args) -> None:
     await run(*args, stop)
 
 
+def _run_service(cfg, build, *, with_store: bool = True) -> None:
+    """Open the config's transport (and object store), ``build(transport, topics, store)`` the
+    service, run it until SIGTERM/SIGINT, and close the transport."""
+    from conveyor.topics import Topics
+    from conveyor.transport import open_transport
+    from storage.objectstore import open_object_store
+
+    async def main(stop: asyncio.Event) -> None:
+        transport = open_transport(cfg.transport)
+        try:
+            store = await asyncio.to_thread(open_object_store, cfg.object_store) if with_store else None
+            await build(transport, Topics(cfg.run_id), store).run(stop)
+        finally:
+            await transport.close()
+
+    asyncio.run(_until_signalled(main))
+
+
 @app.command("reward-worker")
 def reward_worker(
     config: Path = CONFIG,
@@ -75,8 +93,6 @@ def reward_bridge(
     from reward.scorers import CeleryScorer, LocalScorer
     from reward.sandbox import Sandbox, SandboxLimits
 
-    from conveyor.topics import Topics
-    from conveyor.transport import open_transport
 
     cfg = _load(config, "reward-bridge")
     decode = _decoder(tokenizer)
@@ -88,16 +104,11 @@ def reward_bridge(
     else:
         scorer = CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s)
 
-    async def main(stop: asyncio.Event) -> None:
-        transport = open_transport(cfg.transport)
-        bridge = RewardBridge(transport, Topics(cfg.run_id), scorer, decode, max_batch=max_batch)
-        try:
-            await bridge.run(stop)
-        finally:
-            await transport.close()
-            scorer.close()
-
-    asyncio.run(_until_signalled(main))
+    try:
+        _run_service(cfg, lambda transport, topics, _: RewardBridge(transport, topics, scorer, decode, max_batch=max_batch),
+                     with_store=False)  # fmt: skip
+    finally:
+        scorer.close()
 
 
 def _decoder(path: Path):
@@ -114,23 +125,11 @@ def storage_sink(
     flush_s: float = typer.Option(5.0, min=0.05, help="...or when the oldest buffered one is this old."),
 ) -> None:
     """Scored topic -> trajectory lake (Parquet in the object store); offsets committed after the store confirms."""
-    from conveyor.topics import Topics
-    from conveyor.transport import open_transport
-    from storage.objectstore import open_object_store
     from storage.sink import StorageSink
 
     cfg = _load(config, "storage-sink")
 
-    async def main(stop: asyncio.Event) -> None:
-        transport = open_transport(cfg.transport)
-        store = await asyncio.to_thread(open_object_store, cfg.object_store)
-        sink = StorageSink(transport, Topics(cfg.run_id), store, flush_rows=flush_rows, flush_s=flush_s)
-        try:
-            await sink.run(stop)
-        finally:
-            await transport.close()
-
-    asyncio.run(_until_signalled(main))
+    _run_service(cfg, lambda transport, topics, store: StorageSink(transport, topics, store, flush_rows=flush_rows, flush_s=flush_s))
 
 
 @app.command("learner")
@@ -145,11 +144,8 @@ def learner(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conveyor.topics import Topics
-    from conveyor.transport import open_transport
     from learner.grpo import LossConfig
     from learner.recipe import GRPOLearner
-    from storage.objectstore import open_object_store
 
     cfg = _load(config, "learner")
     lc = cfg.learner
@@ -167,21 +163,12 @@ def learner(
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
 
-    async def main(stop: asyncio.Event) -> None:
-        transport = open_transport(cfg.transport)
-        store = await asyncio.to_thread(open_object_store, cfg.object_store)
-        lrn = GRPOLearner(
-            transport, Topics(cfg.run_id), policy, tok.pad_token_id, store, run_dir=out,
-            batch_groups=lc.batch_groups, max_lag=lc.max_lag, lr=lc.lr, loss=loss, group_timeout_s=lc.group_timeout_s,
-            keep_versions=lc.keep_versions, checkpoint_every=lc.checkpoint_every, keep_checkpoints=lc.keep_checkpoints,
-            warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens, micro_batch=lc.micro_batch,
-        )  # fmt: skip
-        try:
-            await lrn.run(stop)
-        finally:
-            await transport.close()
-
-    asyncio.run(_until_signalled(main))
+    _run_service(cfg, lambda transport, topics, store: GRPOLearner(
+        transport, topics, policy, tok.pad_token_id, store, run_dir=out,
+        batch_groups=lc.batch_groups, max_lag=lc.max_lag, lr=lc.lr, loss=loss, group_timeout_s=lc.group_timeout_s,
+        keep_versions=lc.keep_versions, checkpoint_every=lc.checkpoint_every, keep_checkpoints=lc.keep_checkpoints,
+        warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens, micro_batch=lc.micro_batch,
+    ))  # fmt: skip
 
 
 @app.command("rollout-worker")
@@ -195,10 +182,7 @@ def rollout_worker(
 ) -> None:
     """Tasks topic -> engine -> rollouts topic; follows the weights topic and swaps versions between batches.
     Start as many as you like: they share the tasks topic's consumer group."""
-    from conveyor.topics import Topics
-    from conveyor.transport import open_transport
     from rollout_workers.worker import RolloutWorker
-    from storage.objectstore import open_object_store
 
     cfg = _load(config, "rollout-worker")
     if engine != "reference":
@@ -210,17 +194,10 @@ def rollout_worker(
     eng = ReferenceEngine(model, seed=seed, threads=threads or None)
     batch_samples = cfg.learner.batch_groups * cfg.producer.group_size
 
-    async def main(stop: asyncio.Event) -> None:
-        transport = open_transport(cfg.transport)
-        store = await asyncio.to_thread(open_object_store, cfg.object_store)
-        worker = RolloutWorker(transport, Topics(cfg.run_id), eng, store, learner_batch_samples=batch_samples,
-                               max_lag=cfg.learner.max_lag, tasks_per_batch=tasks_per_batch)  # fmt: skip
-        try:
-            await worker.run(stop)
-        finally:
-            await transport.close()
-
-    asyncio.run(_until_signalled(main))
+    _run_service(cfg, lambda transport, topics, store: RolloutWorker(
+        transport, topics, eng, store, learner_batch_samples=batch_samples, max_lag=cfg.learner.max_lag,
+        tasks_per_batch=tasks_per_batch,
+    ))  # fmt: skip
 
 
 @app.command("producer")

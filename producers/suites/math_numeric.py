@@ -13,14 +13,14 @@ the model's ``\\boxed{...}`` (or last number) with ``answer``.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-from conveyor.contracts import SamplingParams, Task, VerifierSpec
+from conveyor.contracts import Task, VerifierSpec
+from producers.suites import split_of, suite_task
 
 SUITE = "math_numeric"
 SEED = 8
@@ -54,7 +54,7 @@ class Problem:
 
     @property
     def split(self) -> str:
-        return "heldout" if hashlib.sha256(f"{SUITE}/{self.id}".encode()).digest()[0] < 52 else "train"
+        return split_of(SUITE, self.id)
 
     @property
     def reference(self) -> str:
@@ -198,13 +198,5 @@ def problems(seed: int = SEED, per_template: int = 3) -> list[Problem]:
 
 
 def to_task(p: Problem, run_id: str, group_size: int, index: int) -> Task:
-    return Task(
-        task_id=f"{SUITE}-{p.id}-{index:07d}",
-        run_id=run_id,
-        prompt=p.prompt,
-        verifier=VerifierSpec(kind="math", data={"suite": SUITE, "answer": p.answer}),
-        group_size=group_size,
-        sampling=SamplingParams(temperature=1.0, max_tokens=512),
-        split=p.split,  # type: ignore[arg-type]
-        metadata={"suite": SUITE, "problem_id": p.id, "difficulty": str(p.difficulty)},
-    )
+    return suite_task(SUITE, p, run_id, group_size, index, prompt=p.prompt, max_tokens=512,
+                      verifier=VerifierSpec(kind="math", data={"suite": SUITE, "answer": p.answer}))  # fmt: skip

@@ -19,11 +19,11 @@ accident. The split is fixed by a hash of the id (about 20 % held out).
 
 from __future__ import annotations
 
-import hashlib
 import textwrap
 from dataclasses import dataclass
 
-from conveyor.contracts import SamplingParams, Task, VerifierSpec
+from conveyor.contracts import Task, VerifierSpec
+from producers.suites import split_of, suite_task
 
 SUITE = "python_functions"
 
@@ -49,7 +49,7 @@ class Problem:
 
     @property
     def split(self) -> str:
-        return "heldout" if hashlib.sha256(f"{SUITE}/{self.id}".encode()).digest()[0] < 52 else "train"
+        return split_of(SUITE, self.id)
 
     @property
     def stub(self) -> str:
@@ -578,13 +578,6 @@ def problems() -> list[Problem]:
 
 
 def to_task(p: Problem, run_id: str, group_size: int, index: int) -> Task:
-    return Task(
-        task_id=f"{SUITE}-{p.id}-{index:07d}",
-        run_id=run_id,
-        prompt=p.prompt,
-        verifier=VerifierSpec(kind="python_tests", data={"suite": SUITE, "tests": p.tests, "style": "functions", "reward": "fraction"}),
-        group_size=group_size,
-        sampling=SamplingParams(temperature=1.0, max_tokens=1024),
-        split=p.split,  # type: ignore[arg-type]
-        metadata={"suite": SUITE, "problem_id": p.id, "difficulty": str(p.difficulty)},
-    )
+    data = {"suite": SUITE, "tests": p.tests, "style": "functions", "reward": "fraction"}
+    return suite_task(SUITE, p, run_id, group_size, index, prompt=p.prompt, max_tokens=1024,
+                      verifier=VerifierSpec(kind="python_tests", data=data))  # fmt: skip

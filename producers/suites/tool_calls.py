@@ -15,12 +15,12 @@ held out).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.contracts import ChatMessage, SamplingParams, Task, VerifierSpec
+from conveyor.contracts import ChatMessage, Task, VerifierSpec
+from producers.suites import split_of, suite_task
 from reward.tools import TOOLS
 
 SUITE = "tool_calls"
@@ -45,7 +45,7 @@ class Problem:
 
     @property
     def split(self) -> str:
-        return "heldout" if hashlib.sha256(f"{SUITE}/{self.id}".encode()).digest()[0] < 52 else "train"
+        return split_of(SUITE, self.id)
 
     @property
     def expected(self) -> dict[str, Any]:
@@ -143,13 +143,6 @@ def problems() -> list[Problem]:
 
 
 def to_task(p: Problem, run_id: str, group_size: int, index: int) -> Task:
-    return Task(
-        task_id=f"{SUITE}-{p.id}-{index:07d}",
-        run_id=run_id,
-        messages=[ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=p.request)],
-        verifier=VerifierSpec(kind="tool_call", data={"suite": SUITE, "expected": p.expected}),
-        group_size=group_size,
-        sampling=SamplingParams(temperature=1.0, max_tokens=256),
-        split=p.split,  # type: ignore[arg-type]
-        metadata={"suite": SUITE, "problem_id": p.id, "difficulty": str(p.difficulty)},
-    )
+    messages = [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=p.request)]
+    return suite_task(SUITE, p, run_id, group_size, index, messages=messages, max_tokens=256,
+                      verifier=VerifierSpec(kind="tool_call", data={"suite": SUITE, "expected": p.expected}))  # fmt: skip

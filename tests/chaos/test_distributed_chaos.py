@@ -116,6 +116,8 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
         while time.monotonic() - start < 600:
             sup.tick()
             due = [r for r in ROLES if kills[r] < 2 and not sup.roles[r].done]
+            if "producer" in due:
+                due = ["producer"]  # it finishes its suite early: its two kills come first
             role = rng.choice(due) if due and sum(kills.values()) < 24 else (rng.choice(ROLES) if sum(kills.values()) < 20 else None)
             if role is not None and sup.roles[role].pid:
                 os.killpg(sup.roles[role].pid, signal.SIGKILL)
@@ -168,7 +170,7 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     print(f"FIGURE chaos_kills {sum(kills.values())} count")
     print(f"FIGURE chaos_lost {lost} count")
     print(f"FIGURE chaos_double_trained {double} count")
-    assert sum(kills.values()) >= 20 and all(kills[r] >= 2 for r in ROLES if r != "producer"), kills
+    assert sum(kills.values()) >= 20 and all(kills[r] >= 2 for r in ROLES), kills
     assert len(tasks) == TASKS
     assert lost == 0, (not_rolled[:3], sorted(not_scored)[:3], sorted(not_in_lake)[:3])
     assert len(lake) == len(set(lake))

@@ -5,7 +5,6 @@ exactly once (checked by id against the checkpoint's ledger)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys

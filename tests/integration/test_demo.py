@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import service_unavailable
+from conftest import open_sandbox
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     from conveyor.demo import DemoConfig, run_demo
-    from reward.sandbox import Sandbox, SandboxUnavailable
-
-    try:
-        Sandbox()
-    except SandboxUnavailable as exc:
-        service_unavailable(f"bubblewrap sandbox: {exc}")
+    open_sandbox().close()  # fail (CI) or skip early, with the reason, where bubblewrap cannot run
     cfg = DemoConfig(
         seed=0,
         run_id="ci-demo",

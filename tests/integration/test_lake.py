@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 
 import pyarrow.parquet as pq
-import pytest
 
 from storage.lake import LakeFilter, LakeReader, write_parts
-from storage.objectstore import LocalObjectStore, S3ObjectStore
 from unit.test_lake_codec import scored
 
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalObjectStore(tmp_path / "objects")
-    cfg = request.getfixturevalue("s3_cfg")
-    return S3ObjectStore(cfg.model_copy(update={"prefix": f"lake-{uuid.uuid4().hex[:8]}/"}))
+# `store` (local directory and SeaweedFS) comes from conftest.py.
 
 
 def rows(lo, hi, version=3, **kw):
@@ -96,3 +87,27 @@ def test_replay_source_has_the_subscriber_interface(store):
     src, got = asyncio.run(drain())
     assert [d.record.offset for d in got] == list(range(10)) and src.committed == 10
     assert [d.message.rollout_id for d in got] == [s.rollout_id for s in LakeReader(store, "r").iter()]
+
+
+def test_manifest_prunes_parts_and_is_read_only_when_the_filter_needs_it(tmp_path):
+    from storage.objectstore import LocalObjectStore
+
+    class Counting(LocalObjectStore):
+        gets: list[str] = []
+
+        def get(self, key, **kw):
+            self.gets.append(key)
+            return super().get(key, **kw)
+
+    store = Counting(tmp_path / "objects")
+    low = [scored(i) for i in range(0, 8)]  # rewards 0.0 .. 0.7
+    high = [scored(i, version=4) for i in range(10, 18)]  # rewards 1.0 .. 1.7, another part
+    write_parts(store, "r", low + high)
+    reader = LakeReader(store, "r")
+    store.gets.clear()
+    assert len(list(reader.iter())) == 16
+    assert not any("_manifest" in k for k in store.gets)  # no filter on statistics: no manifest reads
+    store.gets.clear()
+    assert [s.rollout_id for s in reader.iter(LakeFilter(reward_min=1.0))] == sorted(s.rollout_id for s in high)
+    parts_read = [k for k in store.gets if k.endswith(".parquet")]
+    assert len(parts_read) == 1 and "policy_version=4" in parts_read[0]  # the low part was skipped by its statistics

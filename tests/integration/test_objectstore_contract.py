@@ -10,15 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conveyor.errors import ChecksumMismatch
-from storage.objectstore import LocalObjectStore, ObjectNotFound, S3ObjectStore, sha256_hex
+from storage.objectstore import LocalObjectStore, ObjectNotFound, sha256_hex
 
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalObjectStore(tmp_path / "objects")
-    cfg = request.getfixturevalue("s3_cfg")
-    return S3ObjectStore(cfg.model_copy(update={"prefix": f"test-{uuid.uuid4().hex[:8]}/"}))
+# `store` (local directory and SeaweedFS, a fresh prefix each) comes from conftest.py.
 
 
 def test_put_get_head_exists_delete(store):

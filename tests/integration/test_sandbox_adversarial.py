@@ -8,28 +8,19 @@ fixture).
 from __future__ import annotations
 
 import glob
-import os
 import subprocess
 import time
 
 import pytest
 
-from conftest import ROOT, service_unavailable
+from conftest import ROOT, open_sandbox
 
 
 @pytest.fixture(scope="module", params=["cold", "warm"])
 def sandbox(request):
     """Every claim holds for a launch per batch (cold) and for a long-lived sandbox (warm)."""
-    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-
-    try:
-        sb = Sandbox(
-            SandboxLimits(timeout_s=1.5, memory_mb=128, max_output_bytes=2048, tmp_mb=8, nproc=32, file_mb=2),
-            parallel=2,
-            warm=request.param == "warm",
-        )
-    except SandboxUnavailable as exc:
-        service_unavailable(f"bubblewrap sandbox: {exc}")
+    sb = open_sandbox(timeout_s=1.5, memory_mb=128, max_output_bytes=2048, tmp_mb=8, nproc=32, file_mb=2, parallel=2,
+                      warm=request.param == "warm")  # fmt: skip
     yield sb
     sb.close()
 

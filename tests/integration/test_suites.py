@@ -12,7 +12,7 @@ import importlib
 
 import pytest
 
-from conftest import service_unavailable
+from conftest import open_sandbox
 from conveyor.contracts import Task
 
 SUITES = {"python_functions": 40, "terminal": 20, "math_numeric": 30, "tool_calls": 20}
@@ -21,12 +21,7 @@ KINDS = {"python_functions": "python_tests", "terminal": "terminal", "math_numer
 
 @pytest.fixture(scope="module")
 def sandbox():
-    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-
-    try:
-        sb = Sandbox(SandboxLimits(timeout_s=10.0))
-    except SandboxUnavailable as exc:
-        service_unavailable(f"bubblewrap sandbox: {exc}")
+    sb = open_sandbox(timeout_s=10.0)
     yield sb
     sb.close()
 

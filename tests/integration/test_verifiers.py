@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import service_unavailable
+from conftest import open_sandbox
 from conveyor.contracts import Task, VerifierSpec
 
 
 @pytest.fixture(scope="module")
 def sandbox():
-    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-
-    try:
-        sb = Sandbox(SandboxLimits(timeout_s=2.0))
-    except SandboxUnavailable as exc:
-        service_unavailable(f"bubblewrap sandbox: {exc}")
+    sb = open_sandbox(timeout_s=2.0)
     yield sb
     sb.close()
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import service_unavailable
+from conftest import open_sandbox
 
 HASH_TREE = (
     "import hashlib, json, os\nout = {}\n"
@@ -23,12 +23,7 @@ HASH_TREE = (
 
 @pytest.fixture(scope="module")
 def sandbox():
-    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-
-    try:
-        sb = Sandbox(SandboxLimits(timeout_s=10.0, max_output_bytes=1 << 20))
-    except SandboxUnavailable as exc:
-        service_unavailable(f"bubblewrap sandbox: {exc}")
+    sb = open_sandbox(timeout_s=10.0, max_output_bytes=1 << 20)
     yield sb
     sb.close()
 
