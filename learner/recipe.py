@@ -123,7 +123,6 @@ class GRPOLearner:
         self.counters: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
         self.history: list[dict] = []
-        self.busy_s = 0.0
         self._groups: dict[str, dict[str, Delivery[ScoredRollout]]] = {}
         self._first_seen: dict[str, float] = {}
         self._consumed_records: list = []  # records trained on or dropped since the last commit
@@ -285,7 +284,6 @@ class GRPOLearner:
             tokens = int(st["tokens"])
         self.step += 1
         elapsed = time.monotonic() - t0
-        self.busy_s += elapsed
         stats.update(
             reward_mean=sum(rewards) / max(len(rewards), 1),
             samples=len(rewards),

@@ -44,7 +44,6 @@ class TaskProducer:
         self.learner_batch_samples = learner_batch_samples
         self.max_lag = max_lag
         self.published_samples = 0
-        self.published_tasks = 0
         self.consumed_samples = 0
         # With an object store, the stream's position survives a restart (a deterministic stream
         # would otherwise be republished from the start: duplicates, absorbed downstream, but wasted).
@@ -123,6 +122,5 @@ class TaskProducer:
                         return
                     await pub.publish_and_wait(task, key=task.task_id)
                     self.published_samples += task.group_size
-                    self.published_tasks += 1
                     self.position += 1
             await asyncio.to_thread(self._save_position)  # a clean stop resumes exactly here

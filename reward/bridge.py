@@ -12,7 +12,6 @@ idempotent on ``rollout_id``.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 
 import structlog
@@ -43,8 +42,6 @@ class RewardBridge:
         self.group_id = group_id
         self.max_batch = max_batch
         self.scored = 0
-        self.executions = 0
-        self.busy_s = 0.0
         self._seen: OrderedDict[str, None] = OrderedDict()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -77,11 +74,8 @@ class RewardBridge:
             self._seen.popitem(last=False)
 
     async def _score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
-        start = time.monotonic()
         texts = [self.decode_text(r.completion_token_ids.tolist()) for r in rollouts]
         verdicts = await self.scorer.score([(r.task, t, r.rollout_id) for r, t in zip(rollouts, texts)])
-        self.executions += len(rollouts)
-        self.busy_s += time.monotonic() - start
         return [
             ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback, details=v.details,  # type: ignore[arg-type]
                           completion_text=t)

@@ -74,24 +74,6 @@ class Cgroup:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
-    def peak_memory_bytes(self) -> int | None:
-        name = "memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes"
-        try:
-            return int((self.dirs[0] / name).read_text())
-        except (OSError, ValueError):
-            return None
-
-    def oom_kills(self) -> int:
-        try:
-            if self.version == "v2":
-                for line in (self.dirs[0] / "memory.events").read_text().splitlines():
-                    if line.startswith("oom_kill "):
-                        return int(line.split()[1])
-                return 0
-            return int((self.dirs[0] / "memory.failcnt").read_text())
-        except (OSError, ValueError):
-            return 0
-
     def _pids(self) -> list[int]:
         pids: set[int] = set()
         for f in self.procs_files:

@@ -155,12 +155,10 @@ class Sandbox:
         self.parallel = parallel or min(4, os.cpu_count() or 1)
         self.last_error: str | None = None
         self.warm = warm
-        self.warm_starts = 0
         self._warm_lock = threading.Lock()
         self._warm_proc: subprocess.Popen | None = None
         self._warm_cg: cgroups.Cgroup | None = None
         self._warm_buf = b""
-        self.last_batch_peak_mb: float | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="conveyor-sandbox-"))
         self._bpf = self._dir / "seccomp.bpf"
         self._warm_tests = self._dir / "warm-tests"
@@ -298,7 +296,6 @@ class Sandbox:
             log.error("sandbox_batch_timeout", jobs=len(jobs))
         finally:
             if cg is not None:
-                self.last_batch_peak_mb = (cg.peak_memory_bytes() or 0) / 2**20
                 cg.remove()
             shutil.rmtree(batch, ignore_errors=True)
         return self._results(lines, len(jobs), time.monotonic() - start)
@@ -312,7 +309,6 @@ class Sandbox:
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
         )
         self._warm_buf = b""
-        self.warm_starts += 1
 
     def _stop_warm(self) -> None:
         proc, self._warm_proc = self._warm_proc, None

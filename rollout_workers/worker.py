@@ -62,8 +62,6 @@ class RolloutWorker:
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
         self.consumed = 0
-        self.latest_announced = 0
-        self.busy_s = 0.0
         self.tokens = 0
         self.swaps = 0
 
@@ -103,7 +101,6 @@ class RolloutWorker:
             if newest is None or d.message.version > newest.version:
                 newest = d.message
         if newest is not None and newest.version > self.engine.version:
-            self.latest_announced = newest.version
             await asyncio.to_thread(self._swap, newest)
 
     def _swap(self, ann: WeightsAnnouncement) -> None:
@@ -115,7 +112,6 @@ class RolloutWorker:
 
     def _generate(self, tasks: list[Task]) -> list[Rollout]:
         start = time.time()
-        t0 = time.monotonic()
         by_size: dict[tuple, list[Task]] = {}
         for t in tasks:
             sp = t.sampling
@@ -150,5 +146,4 @@ class RolloutWorker:
                             task=task,
                         )
                     )
-        self.busy_s += time.monotonic() - t0
         return out

@@ -56,9 +56,7 @@ class StorageSink:
         self.backoff_max_s = backoff_max_s
         self.give_up_after_s = give_up_after_s
         self.rows_written = 0
-        self.flushes = 0
         self.retries = 0
-        self.objects: list[str] = []
         self.first_record_at: float | None = None  # monotonic: first record polled (throughput figures)
         self.last_flush_at: float | None = None
 
@@ -122,8 +120,6 @@ class StorageSink:
                 delay = min(delay * 2, self.backoff_max_s)
         if os.environ.get("CONVEYOR_FAILPOINT") == "sink_after_write":  # chaos tests: die between write and commit
             os.kill(os.getpid(), signal.SIGKILL)
-        self.flushes += 1
         self.last_flush_at = time.monotonic()
         self.rows_written += sum(p.rows for p in parts)
-        self.objects += [p.key for p in parts]
         log.info("lake_flush", rows=sum(p.rows for p in parts), parts=len(parts))
