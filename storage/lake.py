@@ -388,9 +388,6 @@ class LakeReader:
     def _load(self, key: str) -> list[ScoredRollout]:
         return rows_from_table(pq.read_table(io.BytesIO(self.store.get(key))))
 
-    def __call__(self, flt: LakeFilter | None = None) -> Iterator[ScoredRollout]:
-        return self.iter(flt)
-
     def iter(self, flt: LakeFilter | None = None) -> Iterator[ScoredRollout]:
         flt = flt or LakeFilter()
         keys = self.parts(flt)
