@@ -13,16 +13,9 @@ produced a batch is recorded with it.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    policy_version: int
+from rollout_workers.engine import Completion
 
 
 class Tokenizing:

