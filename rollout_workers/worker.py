@@ -1,16 +1,27 @@
 """Rollout worker: tasks topic -> engine -> rollouts topic.
 
-- Admission control: a batch of tasks starts only while
-  ``generated + batch - consumed <= (max_lag + 1) * learner_batch`` samples,
-  with ``consumed`` read from the learner's progress topic. The worker never
-  runs more than ``max_lag`` versions ahead of what the learner can use.
-- Weight swaps: announcements on the weights topic are applied between
-  engine batches: the safetensors object is fetched from the object store,
-  its sha256 checked, and loaded; every rollout records the version that
-  produced it.
-- Offsets of the tasks topic are committed only after the batch's rollouts
-  were acknowledged by the broker; a crash regenerates the batch under the
-  same deterministic ``rollout_id`` values.
+- The engine is kept full: every admitted task is its own request to the
+  engine (``n = group_size`` samples), submitted as soon as it is admitted,
+  up to ``max_inflight_tasks`` at once; vLLM batches them continuously, the
+  reference engine batches whatever arrived while its last batch ran. Each
+  task's rollouts are published as soon as its request completes.
+- Admission control: a task starts only while
+  ``published + in flight + group_size - consumed <= (max_lag + 1) * learner_batch``
+  samples, with ``consumed`` read from the learner's progress topic. The
+  worker never runs more than ``max_lag`` versions ahead of what the learner
+  can use.
+- Weight swaps: announcements on the weights topic are followed between
+  polls: the safetensors object is fetched from the object store, its sha256
+  checked, and handed to the engine, which swaps without waiting for the
+  requests in flight (vLLM) or between batches (reference engine). Every
+  rollout records which version produced which tokens. A missing, corrupt or
+  misfitting weights object is refused (logged, counted) and the worker keeps
+  serving its current version.
+- Offsets of the tasks topic are committed in order, only up to the first
+  task whose rollouts are not yet acknowledged by the broker; a crash
+  regenerates the uncommitted tasks under the same deterministic
+  ``rollout_id`` values. An engine failure ends the worker with the error
+  (the process exits non-zero; its tasks are redelivered to another worker).
 """
 
 from __future__ import annotations
@@ -30,10 +41,12 @@ from conveyor.contracts import (
     WeightsAnnouncement,
     rollout_id,
 )
-from conveyor.messaging import Publisher, ServiceClients, Subscriber
+from conveyor.errors import ChecksumMismatch
+from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
-from storage.objectstore import ObjectStore
+from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected
+from storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -49,101 +62,147 @@ class RolloutWorker:
         learner_batch_samples: int,
         max_lag: int = 1,
         tasks_per_batch: int = 16,
+        max_inflight_tasks: int | None = None,
         group_id: str = "rollout-workers",
     ) -> None:
         self.transport = transport
         self.topics = topics
-        self.engine = engine
+        # A synchronous batch engine (reference) gets the async interface.
+        self.engine = engine if engine is None or hasattr(engine, "swap") else BatchingEngine(engine)
         self.store = store
         self.learner_batch_samples = learner_batch_samples
         self.max_lag = max_lag
         self.tasks_per_batch = tasks_per_batch
+        self.max_inflight_tasks = max_inflight_tasks or tasks_per_batch
         self.group_id = group_id
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
+        """Rollouts published (acknowledged by the broker)."""
+        self.inflight_samples = 0
         self.consumed = 0
         self.tokens = 0
         self.swaps = 0
+        self.swaps_refused = 0
+        self.swap_seconds: list[float] = []
 
-    def admitted(self, batch_samples: int) -> bool:
-        return self.generated + batch_samples - self.consumed <= (self.max_lag + 1) * self.learner_batch_samples
+    def admitted(self, samples: int) -> bool:
+        return self.generated + self.inflight_samples + samples - self.consumed <= (
+            (self.max_lag + 1) * self.learner_batch_samples
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self.engine.start()
         async with ServiceClients(self.transport, self.topics.dead_letter, "rollout-worker") as io:
             publisher: Publisher[Rollout] = io.publisher(self.topics.rollouts)
             tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
             # Every worker sees every announcement and progress report: a group of its own.
             weights = await io.subscribe([self.topics.weights], f"rw-weights-{self.worker_id}", WeightsAnnouncement)
             progress = await io.subscribe([self.topics.progress], f"rw-progress-{self.worker_id}", LearnerProgress)
-            pending: list = []
+            waiting: list[Delivery[Task]] = []  # polled, not yet admitted
+            order: list[list] = []  # [delivery, published?] in poll order: commits follow it
+            running: dict[asyncio.Task, list] = {}
             while not stop.is_set():
                 await self._follow(weights, progress)
-                if not pending:
-                    pending = await tasks.poll(timeout_s=0.2, max_records=self.tasks_per_batch)
-                if not pending:
-                    continue
-                samples = sum(d.message.group_size for d in pending)
-                if not self.admitted(samples):
-                    await asyncio.sleep(0.02)
-                    continue
-                rollouts = await asyncio.to_thread(self._generate, [d.message for d in pending])
-                futures = [await publisher.publish(r, r.task_id) for r in rollouts]
-                await asyncio.gather(*futures)
-                await tasks.commit(pending)
-                self.generated += len(rollouts)
-                pending = []
+                room = self.max_inflight_tasks - len(running) - len(waiting)
+                if room > 0:
+                    polled = await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)
+                    waiting.extend(polled)
+                    order.extend([d, False] for d in polled)
+                while waiting and len(running) < self.max_inflight_tasks and self.admitted(waiting[0].message.group_size):
+                    d = waiting.pop(0)
+                    self.inflight_samples += d.message.group_size
+                    entry = next(e for e in order if e[0] is d)
+                    running[asyncio.create_task(self._sample(d.message))] = entry
+                if running:
+                    done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                    await self._publish_done(done, running, publisher)
+                    await self._commit_ready(order, tasks)
+                elif waiting:
+                    await asyncio.sleep(0.02)  # not admitted yet: the learner has to catch up
+            # Drain: what is in flight is finished, published and committed; tasks
+            # polled but never started stay uncommitted (another worker gets them).
+            while running:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                await self._publish_done(done, running, publisher)
+            await self._commit_ready(order, tasks)
+
+    async def _publish_done(self, done, running: dict, publisher: Publisher[Rollout]) -> None:
+        for t in done:
+            entry = running.pop(t)
+            task: Task = entry[0].message
+            self.inflight_samples -= task.group_size
+            rollouts = t.result()  # an engine failure ends the worker here
+            futures = [await publisher.publish(r, r.task_id) for r in rollouts]
+            await asyncio.gather(*futures)
+            self.generated += len(rollouts)
+            entry[1] = True
+
+    async def _commit_ready(self, order: list[list], tasks: Subscriber) -> None:
+        ready = 0
+        while ready < len(order) and order[ready][1]:
+            ready += 1
+        if ready:
+            await tasks.commit([e[0] for e in order[:ready]])
+            del order[:ready]
 
     async def _follow(self, weights: Subscriber, progress: Subscriber) -> None:
         for d in await progress.poll(timeout_s=0, max_records=1000):
             self.consumed = max(self.consumed, d.message.samples_consumed)
-        newest = None
-        for d in await weights.poll(timeout_s=0, max_records=1000):
-            if newest is None or d.message.version > newest.version:
-                newest = d.message
-        if newest is not None and newest.version > self.engine.version:
-            await asyncio.to_thread(self._swap, newest)
+        announced = [d.message for d in await weights.poll(timeout_s=0, max_records=1000)]
+        # Newest first; a refused version falls back to the next newer-than-current one.
+        for ann in sorted(announced, key=lambda a: a.version, reverse=True):
+            if ann.version <= self.engine.version or await self._swap(ann):
+                break
 
-    def _swap(self, ann: WeightsAnnouncement) -> None:
-        from safetensors.torch import load
-
-        state = load(self.store.get(ann.key, sha256=ann.sha256))
-        self.engine.load_state_dict(state, ann.version)
+    async def _swap(self, ann: WeightsAnnouncement) -> bool:
+        started = time.monotonic()
+        try:
+            data = await asyncio.to_thread(self.store.get, ann.key, sha256=ann.sha256)
+            await self.engine.swap(data, ann.version)
+        except (ObjectNotFound, ChecksumMismatch, WeightsRejected, ObjectStoreUnavailable) as exc:
+            # The next announcement is tried afresh; until then the current version serves.
+            self.swaps_refused += 1
+            log.error("rollout_worker.swap_refused", version=ann.version, key=ann.key, error=str(exc),
+                      serving=self.engine.version)  # fmt: skip
+            return False
         self.swaps += 1
+        self.swap_seconds.append(time.monotonic() - started)
+        log.info("rollout_worker.swapped", version=ann.version, seconds=round(self.swap_seconds[-1], 3))
+        return True
 
-    def _generate(self, tasks: list[Task]) -> list[Rollout]:
-        start = time.time()
-        by_size: dict[tuple, list[Task]] = {}
-        for t in tasks:
-            sp = t.sampling
-            key = (t.group_size, sp.max_tokens if sp else 16, sp.temperature if sp else 1.0, tuple(sp.stop) if sp else ())
-            by_size.setdefault(key, []).append(t)
-        out: list[Rollout] = []
-        for (n, max_tokens, temperature, stop_strings), group in by_size.items():
-            prompts = [self.engine.encode_prompt(t.prompt, t.messages) for t in group]
-            stop_ids = {ids[0] for s in stop_strings if len(ids := self.engine.encode(s)) == 1}
-            results = self.engine.generate(
-                prompts, n, max_new_tokens=max_tokens, temperature=temperature, stop_token_ids=stop_ids
-            )
-            finished = time.time()
-            for task, prompt, completions in zip(group, prompts, results):
-                for i, c in enumerate(completions):
-                    self.tokens += len(c.token_ids)
-                    out.append(
-                        Rollout(
-                            rollout_id=rollout_id(task.task_id, i, task.attempt),
-                            task_id=task.task_id,
-                            run_id=task.run_id,
-                            sample_index=i,
-                            attempt=task.attempt,
-                            group_size=n,
-                            prompt_token_ids=prompt,
-                            completion_token_ids=c.token_ids,
-                            behaviour_logprobs=c.logprobs,
-                            loss_mask=[1] * len(c.token_ids),
-                            version_segments=[VersionSegment(start=0, end=len(c.token_ids), policy_version=c.policy_version)],
-                            finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                            timings=Timings(generation_started_at=start, generation_finished_at=finished),
-                            task=task,
-                        )
-                    )
-        return out
+    async def _sample(self, task: Task) -> list[Rollout]:
+        started = time.time()
+        sp = task.sampling
+        stop_ids = frozenset(ids[0] for s in (sp.stop if sp else ()) if len(ids := self.engine.encode(s)) == 1)
+        prompt = self.engine.encode_prompt(task.prompt, task.messages)
+        request = SamplingRequest(
+            prompt,
+            n=task.group_size,
+            max_tokens=sp.max_tokens if sp else 16,
+            temperature=sp.temperature if sp else 1.0,
+            top_p=sp.top_p if sp else 1.0,
+            stop_token_ids=stop_ids,
+            request_id=f"{task.task_id}/{task.attempt}/{self.worker_id}",
+        )
+        completions = await self.engine.generate(request)
+        finished = time.time()
+        return [self._rollout(task, prompt, i, c, started, finished) for i, c in enumerate(completions)]
+
+    def _rollout(self, task: Task, prompt: list[int], i: int, c: Completion, started: float, finished: float) -> Rollout:
+        self.tokens += len(c.token_ids)
+        return Rollout(
+            rollout_id=rollout_id(task.task_id, i, task.attempt),
+            task_id=task.task_id,
+            run_id=task.run_id,
+            sample_index=i,
+            attempt=task.attempt,
+            group_size=task.group_size,
+            prompt_token_ids=prompt,
+            completion_token_ids=c.token_ids,
+            behaviour_logprobs=c.logprobs,
+            loss_mask=[1] * len(c.token_ids),
+            version_segments=[VersionSegment(start=a, end=b, policy_version=v) for a, b, v in c.version_segments()],
+            finish_reason=c.finish_reason,  # type: ignore[arg-type]
+            timings=Timings(generation_started_at=started, generation_finished_at=finished),
+            task=task,
+        )

