@@ -145,12 +145,17 @@ class Task(Message, frozen=True, kw_only=True, tag="task"):
     priority: int = 0
     attempt: int = 0  # incremented when the producer re-queues a task
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    max_turns: int = 1
+    """Attempts per sample: above 1, a failed attempt's execution feedback is fed back to the
+    model, which tries again (multi-turn self-correction, rollout_workers/multiturn.py)."""
 
     def __post_init__(self) -> None:
         if self.prompt is None and not self.messages:
             raise ValueError("Task needs a prompt or chat messages")
         if self.group_size < 1:
             raise ValueError("Task.group_size must be >= 1")
+        if self.max_turns < 1:
+            raise ValueError("Task.max_turns must be >= 1")
 
 
 # --------------------------------------------------------------------------

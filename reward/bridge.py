@@ -75,9 +75,18 @@ class RewardBridge:
 
     async def _score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
         texts = [self.decode_text(r.completion_token_ids.tolist()) for r in rollouts]
-        verdicts = await self.scorer.score([(r.task, t, r.rollout_id) for r, t in zip(rollouts, texts)])
+        # A multi-turn episode is judged by its last attempt.
+        attempts = [t if (a := _last_attempt(r)) is None else a for r, t in zip(rollouts, texts)]
+        verdicts = await self.scorer.score([(r.task, a, r.rollout_id) for r, a in zip(rollouts, attempts)])
         return [
             ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback, details=v.details,  # type: ignore[arg-type]
                           completion_text=t)
             for r, v, t in zip(rollouts, verdicts, texts)
         ]
+
+
+def _last_attempt(rollout: Rollout) -> str | None:
+    for turn in reversed(rollout.turns):
+        if turn.role == "assistant":
+            return turn.text
+    return None

@@ -123,6 +123,10 @@ class BatchingEngine:
     def version(self) -> int:
         return self.inner.version
 
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.inner, "max_context", None)
+
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text)
 

@@ -57,6 +57,10 @@ class ReferenceEngine(Tokenizing):
 
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
+    @property
+    def max_context(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
     def load_state_dict(self, state: dict, version: int) -> None:
         """Swap to ``state`` (a full or HF-style state dict, tied weights stored once)."""
         with self._lock:

@@ -95,6 +95,7 @@ class VLLMEngine(Tokenizing):
         self._shapes = _served_shapes(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in self._shapes
+        self.max_context = int(max_model_len or config.get("max_position_embeddings") or 4096)
         self.last_swap_s: float | None = None
 
     async def start(self) -> None:

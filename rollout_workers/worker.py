@@ -46,6 +46,7 @@ from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected
+from rollout_workers.multiturn import run_episodes
 from storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 
 log = structlog.get_logger(__name__)
@@ -64,6 +65,8 @@ class RolloutWorker:
         tasks_per_batch: int = 16,
         max_inflight_tasks: int | None = None,
         group_id: str = "rollout-workers",
+        scorer=None,
+        max_context_tokens: int | None = None,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -75,6 +78,9 @@ class RolloutWorker:
         self.tasks_per_batch = tasks_per_batch
         self.max_inflight_tasks = max_inflight_tasks or tasks_per_batch
         self.group_id = group_id
+        self.scorer = scorer  # executes attempts of multi-turn tasks (the reward service)
+        self.max_context_tokens = max_context_tokens or getattr(self.engine, "max_context", None) or 4096
+        self.episodes = 0
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
         """Rollouts published (acknowledged by the broker)."""
@@ -184,11 +190,21 @@ class RolloutWorker:
             stop_token_ids=stop_ids,
             request_id=f"{task.task_id}/{task.attempt}/{self.worker_id}",
         )
+        if task.max_turns > 1 and self.scorer is not None:
+            results = await run_episodes(self.engine, self.scorer, task, prompt, request,
+                                         max_context_tokens=self.max_context_tokens, episode_id=request.request_id)  # fmt: skip
+            self.episodes += len(results)
+            finished = time.time()
+            return [self._rollout(task, prompt, i, c, started, finished, e.loss_mask, e.turns)
+                    for i, (c, e) in enumerate(results)]  # fmt: skip
+        if task.max_turns > 1:
+            log.warning("rollout_worker.single_turn", task_id=task.task_id, reason="no scorer configured for multi-turn tasks")
         completions = await self.engine.generate(request)
         finished = time.time()
         return [self._rollout(task, prompt, i, c, started, finished) for i, c in enumerate(completions)]
 
-    def _rollout(self, task: Task, prompt: list[int], i: int, c: Completion, started: float, finished: float) -> Rollout:
+    def _rollout(self, task: Task, prompt: list[int], i: int, c: Completion, started: float, finished: float,
+                 loss_mask: list[int] | None = None, turns: list | None = None) -> Rollout:  # fmt: skip
         self.tokens += len(c.token_ids)
         return Rollout(
             rollout_id=rollout_id(task.task_id, i, task.attempt),
@@ -200,7 +216,8 @@ class RolloutWorker:
             prompt_token_ids=prompt,
             completion_token_ids=c.token_ids,
             behaviour_logprobs=c.logprobs,
-            loss_mask=[1] * len(c.token_ids),
+            loss_mask=loss_mask if loss_mask is not None else [1] * len(c.token_ids),
+            turns=turns or [],
             version_segments=[VersionSegment(start=a, end=b, policy_version=v) for a, b, v in c.version_segments()],
             finish_reason=c.finish_reason,  # type: ignore[arg-type]
             timings=Timings(generation_started_at=started, generation_finished_at=finished),

@@ -89,26 +89,42 @@ def reward_bridge(
 ) -> None:
     """Rollouts topic -> Celery reward tasks -> scored topic (offsets committed after publishing)."""
     from reward.bridge import RewardBridge
-    from reward.celery_app import make_app
-    from reward.scorers import CeleryScorer, LocalScorer
-    from reward.sandbox import Sandbox, SandboxLimits
-
 
     cfg = _load(config, "reward-bridge")
     decode = _decoder(tokenizer)
-    if cfg.celery.type == "local":
-        r = cfg.reward
-        limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
-                               tmp_mb=r.tmp_mb, nproc=r.nproc)  # fmt: skip
-        scorer = LocalScorer(Sandbox(limits, cgroups_mode=r.cgroups))
-    else:
-        scorer = CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s)
-
+    scorer = _scorer(cfg)
     try:
         _run_service(cfg, lambda transport, topics, _: RewardBridge(transport, topics, scorer, decode, max_batch=max_batch),
                      with_store=False)  # fmt: skip
     finally:
         scorer.close()
+
+
+class _ClosingEngine:
+    """Runs a rollout worker, then shuts its engine down (vLLM's engine processes) in the same loop."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self.worker.run(stop)
+        finally:
+            await self.worker.engine.close()
+
+
+def _scorer(cfg):
+    """The reward service as the config names it: the sandbox in this process, or Celery workers."""
+    from reward.celery_app import make_app
+    from reward.sandbox import Sandbox, SandboxLimits
+    from reward.scorers import CeleryScorer, LocalScorer
+
+    if cfg.celery.type == "local":
+        r = cfg.reward
+        limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
+                               tmp_mb=r.tmp_mb, nproc=r.nproc)  # fmt: skip
+        return LocalScorer(Sandbox(limits, cgroups_mode=r.cgroups))
+    return CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s)
 
 
 def _decoder(path: Path):
@@ -205,10 +221,14 @@ def rollout_worker(
     batch_samples = cfg.learner.batch_groups * cfg.producer.group_size
     inflight = max_inflight_tasks or rc.max_inflight_tasks or (64 if rc.engine == "vllm" else rc.tasks_per_batch)
 
-    _run_service(cfg, lambda transport, topics, store: RolloutWorker(
-        transport, topics, eng, store, learner_batch_samples=batch_samples, max_lag=cfg.learner.max_lag,
-        tasks_per_batch=rc.tasks_per_batch, max_inflight_tasks=inflight,
-    ))  # fmt: skip
+    scorer = _scorer(cfg)  # executes the attempts of multi-turn tasks
+    try:
+        _run_service(cfg, lambda transport, topics, store: _ClosingEngine(RolloutWorker(
+            transport, topics, eng, store, learner_batch_samples=batch_samples, max_lag=cfg.learner.max_lag,
+            tasks_per_batch=rc.tasks_per_batch, max_inflight_tasks=inflight, scorer=scorer,
+        )))  # fmt: skip
+    finally:
+        scorer.close()
 
 
 @app.command("producer")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import msgspec
 import pytest
 
 from conveyor.contracts import Rollout, WeightsAnnouncement
@@ -31,7 +32,7 @@ def model_dir(tmp_path_factory):
     return d
 
 
-async def _pipeline(tmp_path, engine, *, n_tasks=6, announce=(), max_inflight=4):
+async def _pipeline(tmp_path, engine, *, n_tasks=6, announce=(), max_inflight=4, task_kw=None, **worker_kw):
     """Run a worker until every task is published (or it fails); return (worker, rollouts, committed, error)."""
     import random
 
@@ -40,13 +41,16 @@ async def _pipeline(tmp_path, engine, *, n_tasks=6, announce=(), max_inflight=4)
     await transport.create_topics(topics.specs(2))
     store = LocalObjectStore(tmp_path / "objects")
     worker = RolloutWorker(transport, topics, engine, store, learner_batch_samples=64, max_lag=100,
-                           tasks_per_batch=2, max_inflight_tasks=max_inflight)  # fmt: skip
+                           tasks_per_batch=2, max_inflight_tasks=max_inflight, **worker_kw)  # fmt: skip
     rng = random.Random(0)
     problems = sample_problems(rng)
     async with ServiceClients(transport, topics.dead_letter, "test") as io:
         pub = io.publisher(topics.tasks)
         for i in range(n_tasks):
-            await (await pub.publish(to_task(next(problems), "r", 3, i), f"t{i}"))
+            task = to_task(next(problems), "r", 3, i)
+            if task_kw:
+                task = msgspec.structs.replace(task, **task_kw)
+            await (await pub.publish(task, f"t{i}"))
         wpub = io.publisher(topics.weights)
         for version, data, sha in announce:
             key = f"weights/v{version}.safetensors"

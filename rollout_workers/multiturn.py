@@ -1,0 +1,113 @@
+"""Multi-turn self-correction: attempt, execute, read the feedback, try again.
+
+For a task with ``max_turns > 1`` each of the group's samples is an episode.
+The first attempts are one request of ``n = group_size``; every attempt is
+sent to the reward service (the same scorer the bridge uses: the sandbox in
+embedded mode, Celery in a deployment) and a failing attempt gets the parsed
+feedback (exception, message, line, failing test) appended as an observation,
+after which the model continues from the whole episode so far. An episode ends
+when an attempt passes, when ``max_turns`` attempts were made, or when the
+context would exceed ``max_context_tokens``.
+
+Token-in, token-out: the model's own tokens are never re-tokenised. The
+episode's completion is ``attempt_1 + observation_1 + attempt_2 + ...``;
+observation tokens carry loss mask 0 and logprob 0 (they were not sampled),
+and each attempt's version segments are shifted to its place in the episode.
+The text of every turn is kept in ``Rollout.turns``; the bridge scores the
+last attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from conveyor.contracts import Feedback, Task, Turn
+from rollout_workers.engine import Completion, SamplingRequest
+
+
+@dataclass
+class Episode:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    finish_reason: str = "stop"
+    attempts: int = 0
+    solved: bool = False
+
+    def add_attempt(self, c: Completion, text: str) -> None:
+        base = len(self.token_ids)
+        self.token_ids += c.token_ids
+        self.logprobs += c.logprobs
+        self.loss_mask += [1] * len(c.token_ids)
+        self.segments += [(base + a, base + b, v) for a, b, v in c.version_segments() if b > a]
+        self.turns.append(Turn(role="assistant", text=text))
+        self.finish_reason = c.finish_reason
+        self.attempts += 1
+
+    def add_observation(self, ids: list[int], text: str) -> None:
+        if self.segments:  # observation tokens belong to the segment before them
+            a, b, v = self.segments[-1]
+            self.segments[-1] = (a, b + len(ids), v)
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.turns.append(Turn(role="user", text=text))
+
+    def as_completion(self, first_version: int) -> Completion:
+        segs = tuple(self.segments) or ((0, len(self.token_ids), first_version),)
+        return Completion(list(self.token_ids), list(self.logprobs), self.finish_reason, segs[0][2], segs)
+
+
+def feedback_text(verdict: str, fb: Feedback | None) -> str:
+    """What the model reads after a failed attempt."""
+    parts = [f"verdict: {verdict}"]
+    if fb is not None:
+        if fb.failing_test:
+            parts.append(f"failing test: {fb.failing_test}")
+        if fb.exception_type or fb.message:
+            parts.append(": ".join(p for p in (fb.exception_type, fb.message) if p))
+        if fb.line:
+            parts.append(f"line {fb.line}")
+    return "\n# " + "; ".join(parts) + "\n# try again\n"
+
+
+async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: SamplingRequest, *,
+                       max_context_tokens: int, episode_id: str) -> list[tuple[Completion, Episode]]:  # fmt: skip
+    """The group's episodes; each result pairs the spliced completion with its episode record."""
+    episodes = [Episode() for _ in range(first.n)]
+    completions = await engine.generate(first)
+    first_version = completions[0].policy_version if completions else engine.version
+    active = list(range(first.n))
+    attempts = {i: c for i, c in zip(active, completions)}
+    for turn in range(task.max_turns):
+        texts = {i: engine.decode(attempts[i].token_ids) for i in active}
+        for i in active:
+            episodes[i].add_attempt(attempts[i], texts[i])
+        if turn == task.max_turns - 1:
+            break
+        verdicts = await scorer.score([(task, texts[i], f"{episode_id}/{i}/t{turn}") for i in active])
+        still = []
+        for i, v in zip(active, verdicts):
+            if v.verdict == "pass":
+                episodes[i].solved = True
+            elif attempts[i].finish_reason != "abort" and v.verdict != "infra":
+                text = feedback_text(v.verdict, v.feedback)
+                ids = engine.encode(text)
+                if len(prompt) + len(episodes[i].token_ids) + len(ids) + first.max_tokens <= max_context_tokens:
+                    episodes[i].add_observation(ids, text)
+                    still.append(i)
+        if not still:
+            break
+        nexts = await asyncio.gather(*(
+            engine.generate(SamplingRequest(prompt + episodes[i].token_ids, n=1, max_tokens=first.max_tokens,
+                                            temperature=first.temperature, top_p=first.top_p,
+                                            stop_token_ids=first.stop_token_ids,
+                                            request_id=f"{first.request_id}/{i}/t{turn + 1}"))
+            for i in still
+        ))  # fmt: skip
+        attempts = {i: out[0] for i, out in zip(still, nexts)}
+        active = still
+    return [(e.as_completion(first_version), e) for e in episodes]
