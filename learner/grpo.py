@@ -59,10 +59,13 @@ def group_advantages(rewards: list[float], std_normalise: bool = True, eps: floa
 
 
 def completion_logprobs(
-    model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, entropy: list | None = None
+    model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, entropy: list | None = None,
+    temperatures: list[float] | None = None,
 ) -> list[torch.Tensor]:
     """log p(completion token | prefix) under ``model``, one tensor per sequence.
 
+    ``temperatures[i]``: sequence i was sampled from ``softmax(logits / T)``; its
+    log-probabilities are taken from that same distribution (None: T = 1).
     With ``entropy`` (a list), the mean entropy of the policy over the
     completion tokens is appended to it (no gradient)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
@@ -75,6 +78,8 @@ def completion_logprobs(
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    if temperatures is not None and any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, dtype=logits.dtype, device=device)[:, None, None]
     logsm = torch.log_softmax(logits[:, :-1], dim=-1)
     logp = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
     if entropy is not None:

@@ -115,10 +115,14 @@ class LogprobHead(torch.nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids, position_ids, attention_mask, rows, targets, chunk_tokens: int, entropy: list | None = None):
+    def forward(self, input_ids, position_ids, attention_mask, rows, targets, chunk_tokens: int, entropy: list | None = None,
+                row_scale=None):  # fmt: skip
         trunk = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         hidden = trunk(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).last_hidden_state[0]
-        return token_logprobs(hidden[rows], self.model.get_output_embeddings(), targets, chunk_tokens, entropy)
+        picked = hidden[rows]
+        if row_scale is not None:  # 1/T per row: (h/T) W^T = logits / T, the sampling temperature
+            picked = picked * row_scale[:, None].to(picked.dtype)
+        return token_logprobs(picked, self.model.get_output_embeddings(), targets, chunk_tokens, entropy)
 
 
 def packed_completion_logprobs(
@@ -129,10 +133,12 @@ def packed_completion_logprobs(
     pack_tokens: int = 4096,
     chunk_tokens: int = 1024,
     entropy: list | None = None,
+    temperatures: list[float] | None = None,
 ) -> list[torch.Tensor]:
     """The same values as ``learner.grpo.completion_logprobs``, without padding and without
-    full-vocabulary logits for all tokens at once. With ``entropy`` (a list), the mean policy
-    entropy over completion tokens is appended to it."""
+    full-vocabulary logits for all tokens at once. ``temperatures[i]``: sequence i's sampling
+    temperature (None: 1). With ``entropy`` (a list), the mean policy entropy over completion
+    tokens is appended to it."""
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
     flash = getattr(runner.config, "_attn_implementation", "") == "flash_attention_2"
@@ -141,13 +147,15 @@ def packed_completion_logprobs(
     for pack in pack_sequences(prompts, completions, pack_tokens):
         mask = None if (flash or len(pack.lengths) == 1) else block_causal_mask(pack.lengths)
         # Predict token t+1 from position t, within each sequence.
-        rows, targets = [], []
+        rows, targets, scales = [], [], []
         for (i, start, plen), n in zip(pack.spans, pack.lengths):
             rows.append(torch.arange(start + plen - 1, start + n - 1))
             targets.append(pack.input_ids[0, start + plen : start + n])
+            scales.append(torch.full((n - plen,), 1.0 / (temperatures[i] if temperatures else 1.0)))
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        scale = to(torch.cat(scales)) if temperatures and any(t != 1.0 for t in temperatures) else None
         lp = runner(to(pack.input_ids), to(pack.position_ids), None if mask is None else to(mask), to(torch.cat(rows)),
-                    to(torch.cat(targets)), chunk_tokens, ents)  # fmt: skip
+                    to(torch.cat(targets)), chunk_tokens, ents, scale)  # fmt: skip
         offset = 0
         for (i, start, plen), n in zip(pack.spans, pack.lengths):
             k = n - plen

@@ -52,3 +52,16 @@ def test_values_and_gradients_match_the_padded_computation(model, pack_tokens):
         assert torch.allclose(a, b, atol=1e-5)
     for n, p in m.named_parameters():
         assert torch.allclose(p.grad, ref_grads[n], atol=1e-5), n
+
+
+def test_tempered_logprobs_match_between_paths_and_the_definition(model):
+    m, pad = model
+    temps = [0.5, 1.0, 1.7][: len(PROMPTS)] + [0.8] * max(0, len(PROMPTS) - 3)
+    with torch.no_grad():
+        padded = completion_logprobs(m, PROMPTS, COMPLETIONS, pad, temperatures=temps)
+        packed = packed_completion_logprobs(m, PROMPTS, COMPLETIONS, pack_tokens=8, chunk_tokens=3, temperatures=temps)
+        for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
+            logits = m(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float() / temps[i]
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+            assert torch.allclose(padded[i], want, atol=1e-5) and torch.allclose(packed[i], want, atol=1e-5)
+    assert not torch.allclose(padded[0], completion_logprobs(m, PROMPTS[:1], COMPLETIONS[:1], pad)[0])

@@ -80,3 +80,13 @@ def test_process_engine_samples_like_the_in_process_one(tmp_path):
         assert remote.version == 7 and remote.generate(prompt, 1, **greedy)[0][0].policy_version == 7
     finally:
         remote.close()
+
+
+def test_tempered_sampling_logprobs_match_the_learners_tempered_recomputation(engine):
+    prompts = [engine.encode("a = [3, 1]\nassert min(a) ==")]
+    groups = engine.generate(prompts, 4, max_new_tokens=6, temperature=0.6)
+    comps = [c.token_ids for c in groups[0]]
+    with torch.no_grad():
+        recomputed = completion_logprobs(engine.model, prompts * 4, comps, engine.tokenizer.pad_token_id, temperatures=[0.6] * 4)
+    diffs = torch.cat([(r - torch.tensor(c.logprobs)).abs() for r, c in zip(recomputed, groups[0])])
+    assert float(diffs.max()) < 1e-4
