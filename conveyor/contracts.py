@@ -252,6 +252,10 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
     def min_policy_version(self) -> int:
         return min((s.policy_version for s in self.version_segments), default=-1)
 
+    @property
+    def max_policy_version(self) -> int:
+        return max((s.policy_version for s in self.version_segments), default=-1)
+
 
 _ROLLOUT_ARRAYS = (
     ("prompt_token_ids", "i", 4),

@@ -42,9 +42,9 @@ from conveyor.contracts import (
     rollout_id,
 )
 from conveyor.errors import ChecksumMismatch
-from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
+from conveyor.messaging import Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
-from conveyor.transport.base import Transport
+from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected
 from rollout_workers.multiturn import run_episodes
 from storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
@@ -104,33 +104,37 @@ class RolloutWorker:
             # Every worker sees every announcement and progress report: a group of its own.
             weights = await io.subscribe([self.topics.weights], f"rw-weights-{self.worker_id}", WeightsAnnouncement)
             progress = await io.subscribe([self.topics.progress], f"rw-progress-{self.worker_id}", LearnerProgress)
-            waiting: list[Delivery[Task]] = []  # polled, not yet admitted
-            order: list[list] = []  # [delivery, published?] in poll order: commits follow it
+            waiting: list[list] = []  # [delivery, published?] polled, not yet started
+            order: list[list] = []  # the same entries in poll order: commits follow it
             running: dict[asyncio.Task, list] = {}
-            while not stop.is_set():
-                await self._follow(weights, progress)
-                room = self.max_inflight_tasks - len(running) - len(waiting)
-                if room > 0:
-                    polled = await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)
-                    waiting.extend(polled)
-                    order.extend([d, False] for d in polled)
-                while waiting and len(running) < self.max_inflight_tasks and self.admitted(waiting[0].message.group_size):
-                    d = waiting.pop(0)
-                    self.inflight_samples += d.message.group_size
-                    entry = next(e for e in order if e[0] is d)
-                    running[asyncio.create_task(self._sample(d.message))] = entry
-                if running:
-                    done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                while not stop.is_set():
+                    await self._follow(weights, progress)
+                    room = self.max_inflight_tasks - len(running) - len(waiting)
+                    if room > 0:
+                        polled = [[d, False] for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)]
+                        waiting += polled
+                        order += polled
+                    while waiting and len(running) < self.max_inflight_tasks and self.admitted(waiting[0][0].message.group_size):
+                        entry = waiting.pop(0)
+                        self.inflight_samples += entry[0].message.group_size
+                        running[asyncio.create_task(self._sample(entry[0].message))] = entry
+                    if running:
+                        done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                        await self._publish_done(done, running, publisher)
+                        await self._commit_ready(order, tasks)
+                    elif waiting:
+                        await asyncio.sleep(0.02)  # not admitted yet: the learner has to catch up
+                # Drain: what is in flight is finished, published and committed; tasks
+                # polled but never started stay uncommitted (another worker gets them).
+                while running:
+                    done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     await self._publish_done(done, running, publisher)
-                    await self._commit_ready(order, tasks)
-                elif waiting:
-                    await asyncio.sleep(0.02)  # not admitted yet: the learner has to catch up
-            # Drain: what is in flight is finished, published and committed; tasks
-            # polled but never started stay uncommitted (another worker gets them).
-            while running:
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                await self._publish_done(done, running, publisher)
-            await self._commit_ready(order, tasks)
+                await self._commit_ready(order, tasks)
+            finally:
+                for t in running:  # on failure: nothing half-done keeps running
+                    t.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
 
     async def _publish_done(self, done, running: dict, publisher: Publisher[Rollout]) -> None:
         for t in done:
@@ -144,12 +148,22 @@ class RolloutWorker:
             entry[1] = True
 
     async def _commit_ready(self, order: list[list], tasks: Subscriber) -> None:
+        """Commit the published prefix of ``order``. Tasks of partitions a rebalance moved away
+        are dropped here: their new owner re-reads them (same rollout ids, absorbed downstream)."""
         ready = 0
         while ready < len(order) and order[ready][1]:
             ready += 1
-        if ready:
-            await tasks.commit([e[0] for e in order[:ready]])
-            del order[:ready]
+        if not ready:
+            return
+        done = [e[0] for e in order[:ready]]
+        del order[:ready]
+        assigned = tasks.assignment()
+        mine = [d for d in done if TopicPartition(d.record.topic, d.record.partition) in assigned]
+        try:
+            if mine:
+                await tasks.commit(mine)
+        except CommitFailed as exc:
+            log.warning("rollout_worker.commit_after_rebalance", tasks=len(mine), error=str(exc))
 
     async def _follow(self, weights: Subscriber, progress: Subscriber) -> None:
         for d in await progress.poll(timeout_s=0, max_records=1000):

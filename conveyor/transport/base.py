@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 
+class CommitFailed(RuntimeError):
+    """The partition was reassigned before the commit (a rebalance); its records will be
+    redelivered to the new owner. Same meaning for every transport."""
+
+
 @dataclass(frozen=True)
 class TopicPartition:
     topic: str

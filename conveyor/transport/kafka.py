@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from conveyor.errors import TransportUnavailable
-from conveyor.transport.base import Record, RebalanceCallback, SendResult, TopicPartition, TopicSpec
+from conveyor.transport.base import CommitFailed, Record, RebalanceCallback, SendResult, TopicPartition, TopicSpec
 
 if TYPE_CHECKING:
     from conveyor.config import KafkaTransportConfig
@@ -275,7 +275,12 @@ class KafkaConsumer:
             offsets = dict(self._fetched)
         if not offsets:
             return
-        await self._consumer.commit({KTP(tp.topic, tp.partition): off for tp, off in offsets.items()})
+        from aiokafka.errors import CommitFailedError, IllegalStateError
+
+        try:
+            await self._consumer.commit({KTP(tp.topic, tp.partition): off for tp, off in offsets.items()})
+        except (CommitFailedError, IllegalStateError) as exc:
+            raise CommitFailed(str(exc)) from exc
 
     async def committed(self, tp: TopicPartition) -> int | None:
         from aiokafka import TopicPartition as KTP

@@ -15,6 +15,7 @@ import zlib
 from collections.abc import Awaitable, Sequence
 
 from conveyor.transport.base import (
+    CommitFailed,
     Record,
     RebalanceCallback,
     SendResult,
@@ -222,10 +223,6 @@ class MemoryConsumer:
         self._positions = {}
         if group.members:
             await self._broker.rebalance(self.group_id)
-
-
-class CommitFailed(RuntimeError):
-    """The partition was reassigned before the commit; its records will be redelivered."""
 
 
 class MemoryTransport:
