@@ -32,6 +32,9 @@ def test_every_shipped_config_parses(path):
         ({"celery": {"type": "redis", "url": "amqp://x"}}, "celery.redis.url"),
         ({"run_id": "has space"}, "run_id"),
         ({"transport": {"type": "kafka", "heartbeat_interval_ms": 5000}}, "transport.kafka"),
+        ({"rollout": {"engine": "tgi"}}, "rollout.engine"),
+        ({"rollout": {"vllm": {"speculative": {"method": "ngram"}}}}, "rollout.vllm.speculative"),
+        ({"rollout": {"vllm": {"kv_cache_mb": 1}}}, "rollout.vllm.kv_cache_mb"),
     ],
 )
 def test_invalid_config_names_the_field(data, field):
