@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
 def make_registry() -> CollectorRegistry:
@@ -47,18 +47,51 @@ def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0")
     start_http_server(port, addr=addr, registry=registry)
 
 
+@dataclass
+class RolloutMetrics:
+    """A rollout worker's engine: weight swaps (latency, refusals), the version it serves, tokens."""
+
+    swap_seconds: Histogram
+    swaps_refused: Counter
+    policy_version: Gauge
+    tokens: Counter
+    registry: CollectorRegistry
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> "RolloutMetrics":
+        registry = registry or make_registry()
+        return cls(
+            swap_seconds=Histogram("conveyor_weight_swap_seconds", "Fetch, verify and swap a weights version",
+                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry),  # fmt: skip
+            swaps_refused=Counter("conveyor_weight_swaps_refused", "Weights objects refused (missing, corrupt, misfit)", registry=registry),
+            policy_version=Gauge("conveyor_worker_policy_version", "Policy version the engine serves", registry=registry),
+            tokens=Counter("conveyor_generated_tokens", "Completion tokens generated", registry=registry),
+            registry=registry,
+        )
+
+
 _process: TransportMetrics | None = None
+_registry: CollectorRegistry | None = None
+_rollout: RolloutMetrics | None = None
 
 
 def enable_process_metrics(port: int, addr: str = "0.0.0.0") -> TransportMetrics:
     """One service per process (``conveyor serve``): its transport metrics, served on ``port``.
     Embedded mode never calls this, so several services in one process do not collide."""
-    global _process
+    global _process, _registry
     if _process is None:
-        registry = make_registry()
-        _process = TransportMetrics.create(registry)
-        serve_metrics(port, registry, addr)
+        _registry = make_registry()
+        _process = TransportMetrics.create(_registry)
+        serve_metrics(port, _registry, addr)
     return _process
+
+
+def process_rollout_metrics() -> RolloutMetrics | None:
+    """The rollout worker's metrics on the process registry (None in embedded mode)."""
+    global _rollout
+    if _rollout is None and _registry is not None:
+        _rollout = RolloutMetrics.create(_registry)
+    return _rollout
 
 
 def process_metrics() -> TransportMetrics | None:

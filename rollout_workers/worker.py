@@ -42,6 +42,7 @@ from conveyor.contracts import (
     rollout_id,
 )
 from conveyor.errors import ChecksumMismatch
+from conveyor.metrics import process_rollout_metrics
 from conveyor.messaging import Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
@@ -67,6 +68,7 @@ class RolloutWorker:
         group_id: str = "rollout-workers",
         scorer=None,
         max_context_tokens: int | None = None,
+        metrics=None,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -90,6 +92,7 @@ class RolloutWorker:
         self.swaps = 0
         self.swaps_refused = 0
         self.swap_seconds: list[float] = []
+        self.metrics = metrics or process_rollout_metrics()  # Prometheus, when the process serves metrics
 
     def admitted(self, samples: int) -> bool:
         return self.generated + self.inflight_samples + samples - self.consumed <= (
@@ -182,11 +185,16 @@ class RolloutWorker:
         except (ObjectNotFound, ChecksumMismatch, WeightsRejected, ObjectStoreUnavailable) as exc:
             # The next announcement is tried afresh; until then the current version serves.
             self.swaps_refused += 1
+            if self.metrics:
+                self.metrics.swaps_refused.inc()
             log.error("rollout_worker.swap_refused", version=ann.version, key=ann.key, error=str(exc),
                       serving=self.engine.version)  # fmt: skip
             return False
         self.swaps += 1
         self.swap_seconds.append(time.monotonic() - started)
+        if self.metrics:
+            self.metrics.swap_seconds.observe(self.swap_seconds[-1])
+            self.metrics.policy_version.set(ann.version)
         log.info("rollout_worker.swapped", version=ann.version, seconds=round(self.swap_seconds[-1], 3))
         return True
 
@@ -220,6 +228,8 @@ class RolloutWorker:
     def _rollout(self, task: Task, prompt: list[int], i: int, c: Completion, started: float, finished: float,
                  loss_mask: list[int] | None = None, turns: list | None = None) -> Rollout:  # fmt: skip
         self.tokens += len(c.token_ids)
+        if self.metrics:
+            self.metrics.tokens.inc(len(c.token_ids))
         return Rollout(
             rollout_id=rollout_id(task.task_id, i, task.attempt),
             task_id=task.task_id,

@@ -90,16 +90,22 @@ async def test_every_task_is_sampled_published_once_and_committed(tmp_path, mode
 async def test_swaps_to_announced_weights_and_refuses_bad_ones(tmp_path, model_dir):
     from safetensors.torch import save
 
+    from conveyor.metrics import RolloutMetrics
+
+    metrics = RolloutMetrics.create()
     engine = ReferenceEngine(model_dir, seed=0)
     good = save({k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"})
     misfit = save({"model.embed_tokens.weight": engine.model.model.embed_tokens.weight[:3].clone()})
     worker, rollouts, _, error = await _pipeline(
         tmp_path, engine,
-        announce=[(1, good, None), (2, good, "0" * 64), (3, misfit, None)],
+        announce=[(1, good, None), (2, good, "0" * 64), (3, misfit, None)], metrics=metrics,
     )  # fmt: skip
     assert error is None
     # v3 (does not fit) and v2 (checksum mismatch) refused, newest first; v1 swapped in and serves.
     assert worker.engine.version == 1 and worker.swaps == 1 and worker.swaps_refused == 2
+    sample = lambda name: metrics.registry.get_sample_value(name)  # noqa: E731
+    assert sample("conveyor_weight_swaps_refused_total") == 2 and sample("conveyor_weight_swap_seconds_count") == 1
+    assert sample("conveyor_worker_policy_version") == 1 and sample("conveyor_generated_tokens_total") == worker.tokens > 0
     assert len(rollouts) == 18 and {s.policy_version for r in rollouts for s in r.version_segments} == {1}
 
 
