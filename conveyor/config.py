@@ -225,7 +225,9 @@ class LearnerConfig(_Section):
     batch_groups: int = Field(16, ge=1)
     """Complete groups per training step."""
     max_lag: int = Field(1, ge=0)
-    """Samples more than this many policy versions old are dropped (and counted)."""
+    """Samples more than this many policy versions old are dropped (and counted), or down-weighted."""
+    stale_decay: float = Field(0.0, ge=0, lt=1)
+    """0: drop samples older than max_lag; in (0, 1): keep them, advantage scaled by stale_decay ** (lag - max_lag)."""
     lr: float = Field(5e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
     group_timeout_s: float = Field(60.0, gt=0)

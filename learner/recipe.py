@@ -7,8 +7,10 @@ step is one readable function (``_train_step``).
   task). A group still incomplete after ``group_timeout_s`` (a lost sample)
   is dropped and counted in ``groups_incomplete``; it is never trained on
   half.
-- Samples older than ``max_lag`` policy versions are dropped and counted;
-  the staleness histogram of every step is logged.
+- Samples older than ``max_lag`` policy versions are dropped and counted,
+  or (``stale_decay`` > 0) kept with their advantage scaled by
+  ``stale_decay ** (lag - max_lag)`` and counted; the staleness histogram of
+  every step is logged.
 - Groups with zero reward variance are filtered (dynamic sampling) and
   counted.
 - After each step the policy is written to the object store as safetensors
@@ -84,6 +86,7 @@ class GRPOLearner:
         warmup_steps: int = 0,
         pack_tokens: int = 4096,
         micro_batch: int = 0,
+        stale_decay: float = 0.0,
     ) -> None:
         import torch
 
@@ -100,6 +103,9 @@ class GRPOLearner:
         self.run_dir = Path(run_dir)
         self.batch_groups = batch_groups
         self.max_lag = max_lag
+        if not 0.0 <= stale_decay < 1.0:
+            raise ValueError("stale_decay must be in [0, 1): 0 drops samples older than max_lag")
+        self.stale_decay = stale_decay  # > 0: older samples are kept with weight stale_decay ** (lag - max_lag)
         self.loss_cfg = loss
         self.group_timeout_s = group_timeout_s
         self.keep_versions = keep_versions
@@ -246,24 +252,30 @@ class GRPOLearner:
         step_staleness: Counter[int] = Counter()
         for group in batch:
             rewards.extend(s.reward for s in group)
-            kept = []
+            kept, weights = [], []
             for s in group:
                 lag = self.version - s.rollout.min_policy_version
                 step_staleness[lag] += 1
+                weight = 1.0
                 if lag > self.max_lag:
-                    self.counters["samples_stale_dropped"] += 1
-                    continue
+                    if not self.stale_decay:
+                        self.counters["samples_stale_dropped"] += 1
+                        continue
+                    weight = self.stale_decay ** (lag - self.max_lag)
+                    self.counters["samples_stale_downweighted"] += 1
                 if s.verdict == "infra":  # the reward service failed, not the model: no signal
                     self.counters["samples_infra_dropped"] += 1
                     continue
                 kept.append(s)
+                weights.append(weight)
             if len(kept) < 2:
                 continue
             adv = group_advantages([s.reward for s in kept], self.loss_cfg.std_normalise)
             if adv is None:
                 self.counters["groups_zero_variance"] += 1
                 continue
-            for s, a in zip(kept, adv):
+            for s, a, w in zip(kept, adv, weights):
+                a *= w  # a stale sample's say in the update shrinks with its age
                 r = s.rollout
                 prompts.append(r.prompt_token_ids.tolist())
                 completions.append(r.completion_token_ids.tolist())

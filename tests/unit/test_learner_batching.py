@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conveyor.contracts import Rollout, ScoredRollout, Task, VersionSegment, rollout_id
@@ -92,3 +93,27 @@ def test_rollout_worker_admission_bound(tmp_path):
     assert not worker.admitted(128)  # would be 384 - 0 > 256
     worker.consumed = 128
     assert worker.admitted(128)
+
+
+def test_stale_samples_can_be_down_weighted_instead_of_dropped(tmp_path):
+    lrn = learner(tmp_path, max_lag=1, stale_decay=0.5)
+    lrn.version = 4
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture(prompts, completions, behaviour, advantages, masks, fresh=None, temps=None):
+        seen["advantages"] = advantages
+        raise Captured  # the step itself is not under test
+
+    lrn._accumulate = capture
+    fresh_group = [scored("a", i, version=4) for i in range(2)]  # lag 0: weight 1
+    old_group = [scored("b", i, version=1) for i in range(2)]  # lag 3 = max_lag + 2: weight 0.25
+    with pytest.raises(Captured):
+        lrn._train_step([fresh_group, old_group])
+    a_fresh, a_old = seen["advantages"][:2], seen["advantages"][2:]
+    assert [abs(x) for x in a_old] == pytest.approx([0.25 * abs(x) for x in a_fresh])
+    assert lrn.counters["samples_stale_downweighted"] == 2 and lrn.counters["samples_stale_dropped"] == 0
+    with pytest.raises(ValueError, match="stale_decay"):
+        learner(tmp_path, stale_decay=1.0)
