@@ -3,8 +3,10 @@
 - The engine is kept full: every admitted task is its own request to the
   engine (``n = group_size`` samples), submitted as soon as it is admitted,
   up to ``max_inflight_tasks`` at once; vLLM batches them continuously, the
-  reference engine batches whatever arrived while its last batch ran. Each
-  task's rollouts are published as soon as its request completes.
+  reference engine batches whatever arrived while its last batch ran.
+  Finished groups are published in admission order (one that finished early
+  waits for older ones), so the learner consumes samples in the order
+  admission control counted them.
 - Admission control: a task starts only while
   ``published + in flight + group_size - consumed <= (max_lag + 1) * learner_batch``
   samples, with ``consumed`` read from the learner's progress topic. The
@@ -107,15 +109,15 @@ class RolloutWorker:
             # Every worker sees every announcement and progress report: a group of its own.
             weights = await io.subscribe([self.topics.weights], f"rw-weights-{self.worker_id}", WeightsAnnouncement)
             progress = await io.subscribe([self.topics.progress], f"rw-progress-{self.worker_id}", LearnerProgress)
-            waiting: list[list] = []  # [delivery, published?] polled, not yet started
-            order: list[list] = []  # the same entries in poll order: commits follow it
+            waiting: list[list] = []  # [delivery, rollouts | None] polled, not yet started
+            order: list[list] = []  # the same entries in poll (= admission) order
             running: dict[asyncio.Task, list] = {}
             try:
                 while not stop.is_set():
                     await self._follow(weights, progress)
                     room = self.max_inflight_tasks - len(running) - len(waiting)
                     if room > 0:
-                        polled = [[d, False] for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)]
+                        polled = [[d, None] for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)]
                         waiting += polled
                         order += polled
                     while waiting and len(running) < self.max_inflight_tasks and self.admitted(waiting[0][0].message.group_size):
@@ -124,44 +126,44 @@ class RolloutWorker:
                         running[asyncio.create_task(self._sample(entry[0].message))] = entry
                     if running:
                         done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-                        await self._publish_done(done, running, publisher)
-                        await self._commit_ready(order, tasks)
+                        self._collect(done, running)
+                        await self._publish_ready(order, publisher, tasks)
                     elif waiting:
                         await asyncio.sleep(0.02)  # not admitted yet: the learner has to catch up
                 # Drain: what is in flight is finished, published and committed; tasks
                 # polled but never started stay uncommitted (another worker gets them).
                 while running:
                     done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    await self._publish_done(done, running, publisher)
-                await self._commit_ready(order, tasks)
+                    self._collect(done, running)
+                await self._publish_ready(order, publisher, tasks)
             finally:
                 for t in running:  # on failure: nothing half-done keeps running
                     t.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
 
-    async def _publish_done(self, done, running: dict, publisher: Publisher[Rollout]) -> None:
+    def _collect(self, done, running: dict) -> None:
         for t in done:
-            entry = running.pop(t)
-            task: Task = entry[0].message
-            self.inflight_samples -= task.group_size
-            rollouts = t.result()  # an engine failure ends the worker here
-            futures = [await publisher.publish(r, r.task_id) for r in rollouts]
-            await asyncio.gather(*futures)
-            self.generated += len(rollouts)
-            entry[1] = True
+            running.pop(t)[1] = t.result()  # an engine failure ends the worker here
 
-    async def _commit_ready(self, order: list[list], tasks: Subscriber) -> None:
-        """Commit the published prefix of ``order``. Tasks of partitions a rebalance moved away
-        are dropped here: their new owner re-reads them (same rollout ids, absorbed downstream)."""
+    async def _publish_ready(self, order: list[list], publisher: Publisher[Rollout], tasks: Subscriber) -> None:
+        """Publish, then commit, the finished prefix of ``order``: groups leave in admission order
+        (a task that finished early waits for the older ones), so the learner consumes them in
+        the order admission control counted them and staleness stays within ``max_lag``. Tasks
+        of partitions a rebalance moved away are not committed: their new owner re-reads them
+        (same rollout ids, absorbed downstream)."""
         ready = 0
-        while ready < len(order) and order[ready][1]:
+        while ready < len(order) and order[ready][1] is not None:
             ready += 1
         if not ready:
             return
-        done = [e[0] for e in order[:ready]]
+        entries = order[:ready]
         del order[:ready]
+        futures = [await publisher.publish(r, r.task_id) for e in entries for r in e[1]]
+        await asyncio.gather(*futures)
+        self.generated += len(futures)  # counted in flight until published: admission never over-counts room
+        self.inflight_samples -= sum(e[0].message.group_size for e in entries)
         assigned = tasks.assignment()
-        mine = [d for d in done if TopicPartition(d.record.topic, d.record.partition) in assigned]
+        mine = [e[0] for e in entries if TopicPartition(e[0].record.topic, e[0].record.partition) in assigned]
         try:
             if mine:
                 await tasks.commit(mine)
