@@ -4,7 +4,7 @@
 step is one readable function (``_train_step``).
 
 - Batches are built from complete groups (all ``group_size`` samples of a
-  task). A group still incomplete after ``group_timeout_s`` (a lost sample)
+  task), the oldest policy version first. A group still incomplete after ``group_timeout_s`` (a lost sample)
   is dropped and counted in ``groups_incomplete``; it is never trained on
   half.
 - Samples older than ``max_lag`` policy versions are dropped and counted,
@@ -217,7 +217,11 @@ class GRPOLearner:
         ]
         if len(complete) < self.batch_groups:
             return None
-        complete.sort(key=lambda t: self._first_seen[t])
+        # Oldest policy first, then arrival: records of several partitions arrive interleaved
+        # by partition, not in the order they were generated, and a newer group trained
+        # ahead of an older one would push the older one past max_lag.
+        complete.sort(key=lambda t: (min(d.message.rollout.min_policy_version for d in self._groups[t].values()),
+                                     self._first_seen[t]))  # fmt: skip
         batch = []
         for task_id in complete[: self.batch_groups]:
             group = self._groups.pop(task_id)

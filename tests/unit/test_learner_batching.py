@@ -117,3 +117,13 @@ def test_stale_samples_can_be_down_weighted_instead_of_dropped(tmp_path):
     assert lrn.counters["samples_stale_downweighted"] == 2 and lrn.counters["samples_stale_dropped"] == 0
     with pytest.raises(ValueError, match="stale_decay"):
         learner(tmp_path, stale_decay=1.0)
+
+
+def test_batches_take_the_oldest_policy_version_first(tmp_path):
+    lrn = learner(tmp_path, batch_groups=1)
+    for i in range(2):
+        lrn._add(delivery(scored("new", i, version=5), 0, i))  # arrives first (its partition was read first)
+    for i in range(2):
+        lrn._add(delivery(scored("old", i, version=4), 1, i))
+    assert [g[0].rollout.task_id for g in lrn._ready_batch()] == ["old"]
+    assert [g[0].rollout.task_id for g in lrn._ready_batch()] == ["new"]
