@@ -108,7 +108,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--demo-rate", type=float, default=650.0, help="rollouts/s of `conveyor demo` (its display)")
+    ap.add_argument("--compression", default=None, help="Parquet codec of the parts (default: storage.lake.COMPRESSION)")
     args = ap.parse_args()
+    if args.compression:
+        import storage.lake
+
+        storage.lake.COMPRESSION = args.compression
 
     from conveyor.config import KafkaTransportConfig, S3StoreConfig
     from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
