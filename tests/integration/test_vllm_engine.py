@@ -189,6 +189,12 @@ async def test_ngram_speculative_decoding_keeps_greedy_output(served, tmp_path):
         plain = ReferenceEngine(path).generate(prompts, 1, max_new_tokens=40, greedy=True)
         fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=40, greedy=True)) for p in prompts))
         assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
+        # Sampled requests are refused: this vLLM build's logprobs under speculation are wrong
+        # (measured: up to 4 nats off, some NaN), and the learner's importance weights need them.
+        from rollout_workers.vllm_engine import SpeculativeLogprobsUnverified
+
+        with pytest.raises(SpeculativeLogprobsUnverified):
+            await spec.generate(SamplingRequest(prompts[0], n=2, max_tokens=30))
     finally:
         await spec.close()
 
@@ -209,3 +215,24 @@ async def test_rollout_worker_on_vllm_follows_weights_and_refuses_corrupt_ones(s
     assert len({r.rollout_id for r in rollouts}) == len(rollouts) == 24 and committed == 8
     assert {s.policy_version for r in rollouts for s in r.version_segments} == {v}
     assert all(len(r.completion_token_ids) == len(r.behaviour_logprobs) for r in rollouts)
+
+
+async def test_draft_model_speculative_decoding_keeps_greedy_output(served, tmp_path):
+    from learner.models import create_tiny_llama
+    from rollout_workers.engine import SamplingRequest
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    _, model, tokenizer = served
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    draft = tmp_path / "draft"  # a smaller model over the same vocabulary
+    create_tiny_llama(draft, ALPHABET, seed=7, hidden_size=64, layers=1, heads=2, intermediate_size=128, max_positions=128)
+    spec = await _start(target, seed=0, speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+    try:
+        prompts = _prompts(tokenizer, 6)
+        plain = ReferenceEngine(target).generate(prompts, 1, max_new_tokens=30, greedy=True)
+        fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=30, greedy=True)) for p in prompts))
+        assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
+    finally:
+        await spec.close()
