@@ -199,6 +199,16 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
+def tool_episode_script(turns: list[Turn]) -> str | None:
+    """The net script of a tool episode: the shell commands of the calls that were kept
+    (``ToolCall.arguments["kept"]``, ``["replay"]``), in order; None when no turn made a call.
+    Replayed from the task's base it reproduces the episode's final workspace."""
+    calls = [c for t in turns if t.role == "assistant" for c in t.tool_calls]
+    if not calls:
+        return None
+    return "\n".join(str(c.arguments.get("replay", "")) for c in calls if c.arguments.get("kept"))
+
+
 class Timings(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Unix-second timestamps; zero when not measured."""
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import structlog
 
-from conveyor.contracts import Rollout, ScoredRollout
+from conveyor.contracts import Rollout, ScoredRollout, tool_episode_script
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -86,6 +86,11 @@ class RewardBridge:
 
 
 def _last_attempt(rollout: Rollout) -> str | None:
+    """What an episode is judged by: a tool episode's net script (the kept calls, replayed from
+    the task's base), or a self-correction episode's last attempt; None for a single turn."""
+    script = tool_episode_script(rollout.turns)
+    if script is not None:
+        return script
     for turn in reversed(rollout.turns):
         if turn.role == "assistant":
             return turn.text

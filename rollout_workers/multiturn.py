@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from conveyor.contracts import Feedback, Task, Turn
+from conveyor.contracts import Feedback, Task, ToolCall, Turn
 from rollout_workers.engine import Completion, SamplingRequest
 
 
@@ -47,14 +47,14 @@ class Episode:
         self.finish_reason = c.finish_reason
         self.attempts += 1
 
-    def add_observation(self, ids: list[int], text: str) -> None:
+    def add_observation(self, ids: list[int], text: str, role: str = "user") -> None:
         if self.segments:  # observation tokens belong to the segment before them
             a, b, v = self.segments[-1]
             self.segments[-1] = (a, b + len(ids), v)
         self.token_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
-        self.turns.append(Turn(role="user", text=text))
+        self.turns.append(Turn(role=role, text=text))  # type: ignore[arg-type]
 
     def as_completion(self, first_version: int) -> Completion:
         segs = tuple(self.segments) or ((0, len(self.token_ids), first_version),)
@@ -75,8 +75,24 @@ def feedback_text(verdict: str, fb: Feedback | None) -> str:
 
 
 async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: SamplingRequest, *,
-                       max_context_tokens: int, episode_id: str) -> list[tuple[Completion, Episode]]:  # fmt: skip
-    """The group's episodes; each result pairs the spliced completion with its episode record."""
+                       max_context_tokens: int, episode_id: str, sandbox=None) -> list[tuple[Completion, Episode]]:  # fmt: skip
+    """The group's episodes; each result pairs the spliced completion with its episode record.
+    With a ``sandbox`` and a ``terminal`` task, turns are tool calls in a persistent workspace
+    (rollout_workers/tools.py); otherwise each attempt is judged and its feedback fed back."""
+    tool_mode = sandbox is not None and task.verifier.kind == "terminal"
+    sessions = None
+    if tool_mode:
+        from rollout_workers.tools import ToolEpisode
+
+        sessions = await asyncio.to_thread(lambda: [ToolEpisode(sandbox, task) for _ in range(first.n)])
+    try:
+        return await _episodes(engine, scorer, task, prompt, first, max_context_tokens, episode_id, sessions)
+    finally:
+        for s in sessions or ():
+            s.close()
+
+
+async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, episode_id, sessions):
     episodes = [Episode() for _ in range(first.n)]
     completions = await engine.generate(first)
     first_version = completions[0].policy_version if completions else engine.version
@@ -86,19 +102,24 @@ async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: Sam
         texts = {i: engine.decode(attempts[i].token_ids) for i in active}
         for i in active:
             episodes[i].add_attempt(attempts[i], texts[i])
+        if sessions is not None:
+            observations = await asyncio.to_thread(_tool_turn, sessions, episodes, texts, active)
+        elif turn < task.max_turns - 1:
+            verdicts = await scorer.score([(task, texts[i], f"{episode_id}/{i}/t{turn}") for i in active])
+            observations = {}
+            for i, v in zip(active, verdicts):
+                if v.verdict == "pass":
+                    episodes[i].solved = True
+                elif attempts[i].finish_reason != "abort" and v.verdict != "infra":
+                    observations[i] = feedback_text(v.verdict, v.feedback)
         if turn == task.max_turns - 1:
             break
-        verdicts = await scorer.score([(task, texts[i], f"{episode_id}/{i}/t{turn}") for i in active])
         still = []
-        for i, v in zip(active, verdicts):
-            if v.verdict == "pass":
-                episodes[i].solved = True
-            elif attempts[i].finish_reason != "abort" and v.verdict != "infra":
-                text = feedback_text(v.verdict, v.feedback)
-                ids = engine.encode(text)
-                if len(prompt) + len(episodes[i].token_ids) + len(ids) + first.max_tokens <= max_context_tokens:
-                    episodes[i].add_observation(ids, text)
-                    still.append(i)
+        for i, text in observations.items():
+            ids = engine.encode(text)
+            if len(prompt) + len(episodes[i].token_ids) + len(ids) + first.max_tokens <= max_context_tokens:
+                episodes[i].add_observation(ids, text, role="tool" if sessions is not None else "user")
+                still.append(i)
         if not still:
             break
         nexts = await asyncio.gather(*(
@@ -111,3 +132,20 @@ async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: Sam
         attempts = {i: out[0] for i, out in zip(still, nexts)}
         active = still
     return [(e.as_completion(first_version), e) for e in episodes]
+
+
+def _tool_turn(sessions, episodes: list[Episode], texts: dict[int, str], active: list[int]) -> dict[int, str]:
+    """Run each active episode's call in its workspace; the observations of those that go on."""
+    from rollout_workers.tools import as_command, parse_call
+
+    out = {}
+    for i in active:
+        call = parse_call(texts[i])
+        if call is None:  # the model is done
+            continue
+        observation, kept = sessions[i].call(call)
+        record = ToolCall(name=call.name, arguments={**call.arguments, "kept": kept, "replay": as_command(call)})
+        last = episodes[i].turns[-1]
+        episodes[i].turns[-1] = Turn(role="assistant", text=last.text, tool_calls=[record])
+        out[i] = observation
+    return out

@@ -71,6 +71,7 @@ class RolloutWorker:
         scorer=None,
         max_context_tokens: int | None = None,
         metrics=None,
+        tool_sandbox=None,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -83,6 +84,7 @@ class RolloutWorker:
         self.max_inflight_tasks = max_inflight_tasks or tasks_per_batch
         self.group_id = group_id
         self.scorer = scorer  # executes attempts of multi-turn tasks (the reward service)
+        self.tool_sandbox = tool_sandbox  # runs tool turns of terminal tasks in persistent workspaces
         self.max_context_tokens = max_context_tokens or getattr(self.engine, "max_context", None) or 4096
         self.episodes = 0
         self.worker_id = uuid.uuid4().hex[:8]
@@ -214,9 +216,11 @@ class RolloutWorker:
             stop_token_ids=stop_ids,
             request_id=f"{task.task_id}/{task.attempt}/{self.worker_id}",
         )
-        if task.max_turns > 1 and self.scorer is not None:
+        tools = self.tool_sandbox is not None and task.verifier.kind == "terminal"
+        if task.max_turns > 1 and (self.scorer is not None or tools):
             results = await run_episodes(self.engine, self.scorer, task, prompt, request,
-                                         max_context_tokens=self.max_context_tokens, episode_id=request.request_id)  # fmt: skip
+                                         max_context_tokens=self.max_context_tokens, episode_id=request.request_id,
+                                         sandbox=self.tool_sandbox if tools else None)  # fmt: skip
             self.episodes += len(results)
             finished = time.time()
             return [self._rollout(task, prompt, i, c, started, finished, e.loss_mask, e.turns)

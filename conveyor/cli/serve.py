@@ -113,6 +113,22 @@ class _ClosingEngine:
             await self.worker.engine.close()
 
 
+def _tool_sandbox(cfg):
+    """A sandbox on this host for tool turns (a stateless Celery task cannot keep a workspace
+    alive between turns); None, with a warning, where user namespaces are unavailable."""
+    import structlog
+
+    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+
+    r = cfg.reward
+    try:
+        return Sandbox(SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
+                                     tmp_mb=r.tmp_mb, nproc=r.nproc), cgroups_mode=r.cgroups)  # fmt: skip
+    except SandboxUnavailable as exc:
+        structlog.get_logger(__name__).warning("rollout_worker.no_tool_sandbox", reason=str(exc))
+        return None
+
+
 def _scorer(cfg):
     """The reward service as the config names it: the sandbox in this process, or Celery workers."""
     from reward.celery_app import make_app
@@ -222,10 +238,11 @@ def rollout_worker(
     inflight = max_inflight_tasks or rc.max_inflight_tasks or (64 if rc.engine == "vllm" else rc.tasks_per_batch)
 
     scorer = _scorer(cfg)  # executes the attempts of multi-turn tasks
+    tool_sandbox = _tool_sandbox(cfg)  # tool turns of terminal tasks: workspaces that persist across turns
     try:
         _run_service(cfg, lambda transport, topics, store: _ClosingEngine(RolloutWorker(
             transport, topics, eng, store, learner_batch_samples=batch_samples, max_lag=cfg.learner.max_lag,
-            tasks_per_batch=rc.tasks_per_batch, max_inflight_tasks=inflight, scorer=scorer,
+            tasks_per_batch=rc.tasks_per_batch, max_inflight_tasks=inflight, scorer=scorer, tool_sandbox=tool_sandbox,
         )))  # fmt: skip
     finally:
         scorer.close()

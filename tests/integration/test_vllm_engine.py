@@ -55,6 +55,11 @@ def _prompts(tokenizer, k: int) -> list[list[int]]:
     return [tokenizer("x" + texts[i % len(texts)], add_special_tokens=False).input_ids for i in range(k)]
 
 
+def _long_prompt(tokenizer, length: int) -> list[int]:
+    text = "(1+2)*3=9 abc 0123456789 " * 8
+    return tokenizer("y" + text, add_special_tokens=False).input_ids[:length]
+
+
 def _learner_logprobs(model, prompts, completions) -> list[torch.Tensor]:
     from learner.packing import packed_completion_logprobs
 
@@ -82,7 +87,7 @@ async def test_logprobs_agree_with_the_learner(served):
     diffs = torch.cat([(torch.tensor(c.logprobs) - r).abs() for (_, c), r in zip(rows, recomputed)])
     print(f"FIGURE vllm_logprob_abs_diff_mean {diffs.mean():.2e} nats")
     print(f"FIGURE vllm_logprob_abs_diff_max {diffs.max():.2e} nats")
-    assert diffs.mean() < 1e-4 and diffs.max() < 1e-3
+    assert diffs.max() < 1e-4
 
 
 async def test_logprobs_are_of_the_tempered_distribution(served):
@@ -120,6 +125,8 @@ async def test_swap_lands_in_flight_with_version_segments(served, tmp_path):
     new_model.eval()
     prompts = _prompts(tokenizer, 16)
     version = engine.version + 1
+    # Long prompts through the old weights first: their KV blocks sit in the prefix cache.
+    await asyncio.gather(*(engine.generate(SamplingRequest(_long_prompt(tokenizer, k), n=1, max_tokens=4)) for k in (100, 64)))
     running = [asyncio.create_task(engine.generate(SamplingRequest(p, n=4, max_tokens=96))) for p in prompts]
     # Swap once the requests are producing tokens.
     while not any(t.lengths for t in engine._inflight.values()):
@@ -140,9 +147,19 @@ async def test_swap_lands_in_flight_with_version_segments(served, tmp_path):
         for start, end, v in segs:
             want = (ln if v == version else lo)[start:end]
             assert torch.allclose(torch.tensor(c.logprobs[start:end]), want, atol=1e-3), (segs, v)
-    # After the swap, a new request is served by the new weights only.
-    (after,) = await engine.generate(SamplingRequest(prompts[0], n=1, max_tokens=8, greedy=True))
-    assert after.version_segments() == ((0, len(after.token_ids), version),)
+    # After the swap, new requests are served by the new weights only, and greedy outputs are
+    # exactly those of a fresh engine on the new weights, long prompts included (their KV
+    # blocks were in the prefix cache before the swap: a stale cache would show here).
+    fresh_dir = tmp_path / "fresh"
+    new_model.save_pretrained(fresh_dir)
+    tokenizer.save_pretrained(fresh_dir)
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    check = [_long_prompt(tokenizer, 100), _long_prompt(tokenizer, 64)] + prompts[:4]
+    after = await asyncio.gather(*(engine.generate(SamplingRequest(p, n=1, max_tokens=20, greedy=True)) for p in check))
+    assert all(a[0].version_segments() == ((0, len(a[0].token_ids), version),) for a in after)
+    expected = ReferenceEngine(fresh_dir).generate(check, 1, max_new_tokens=20, greedy=True)
+    assert [a[0].token_ids for a in after] == [e[0].token_ids for e in expected]
 
 
 async def test_weights_that_do_not_fit_are_refused(served):
