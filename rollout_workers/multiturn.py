@@ -14,7 +14,10 @@ episode's completion is ``attempt_1 + observation_1 + attempt_2 + ...``;
 observation tokens carry loss mask 0 and logprob 0 (they were not sampled),
 and each attempt's version segments are shifted to its place in the episode.
 The text of every turn is kept in ``Rollout.turns``; the bridge scores the
-last attempt.
+last attempt (a tool episode: its net script, see rollout_workers/tools.py).
+Observations are plain text appended to the token stream; a chat model's
+template is applied to the task's messages, not re-applied around each
+observation (a chat-formatted observation turn is not built).
 """
 
 from __future__ import annotations
