@@ -62,11 +62,37 @@ async def kafka_lag(cfg: RunConfig) -> dict:
                 committed = {tp: await reader.committed(tp) for tp in tps}
             finally:
                 await reader.stop()
-            lag = sum(ends[tp] - (committed[tp] or 0) for tp in tps)
+            # tansu answers ListOffsets(latest) with the last *batch's* base offset + 1, short of
+            # the end when producers batch; a fetch's high watermark is right on every broker.
+            marks = await _high_watermarks(servers, tps, committed)
+            ends = {tp: max(v for v in (ends.get(tp), marks.get(tp), 0) if v is not None) for tp in tps}
+            lag = sum(max(0, ends[tp] - (committed[tp] or 0)) for tp in tps)
             out[group] = {"topic": topic, "lag": int(lag), "members": await _members(servers, group)}
     finally:
         await probe.stop()
     return out
+
+
+async def _high_watermarks(servers: str, tps: list, start: dict) -> dict:
+    """Each partition's high watermark, from a fetch at the group's committed offset (nothing
+    is committed: no group)."""
+    from aiokafka import AIOKafkaConsumer
+
+    if not tps:
+        return {}
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, start.get(tp) or 0)
+        for _ in range(3):
+            await consumer.getmany(timeout_ms=300, max_records=1)
+            if all(consumer.highwater(tp) is not None for tp in tps):
+                break
+        return {tp: consumer.highwater(tp) for tp in tps}
+    finally:
+        await consumer.stop()
 
 
 async def _members(servers: str, group: str) -> int | None:
