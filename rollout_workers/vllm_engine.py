@@ -43,7 +43,7 @@ from pathlib import Path
 
 import structlog
 
-from rollout_workers.engine import Completion, SamplingRequest, WeightsRejected, check_weights
+from rollout_workers.engine import Completion, SamplingRequest, check_weights
 from rollout_workers.reference_engine import Tokenizing
 
 log = structlog.get_logger(__name__)
@@ -173,13 +173,14 @@ class VLLMEngine(Tokenizing):
                 # Outputs of the last steps before the pause reach their streams first,
                 # so the lengths below are exactly what the old version produced.
                 await asyncio.sleep(0.05)
-                for track in self._inflight.values():
-                    track.boundaries.append((dict(track.lengths), version))
-                try:
-                    await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
-                except Exception as exc:  # noqa: BLE001 - surfaced as a refusal, the old weights keep serving
-                    raise WeightsRejected(f"vLLM refused weights version {version}: {exc}") from exc
+                marks = [(track, dict(track.lengths)) for track in self._inflight.values()]
+                # The file passed the name/shape check; a reload failing now leaves the weights
+                # in an unknown state, so it is an engine failure (the worker exits and restarts
+                # from its model), not a refusal.
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
+                for track, lengths in marks:
+                    track.boundaries.append((lengths, version))
                 self.version = version
             finally:
                 await self.llm.resume_generation()
