@@ -143,6 +143,9 @@ class VLLMEngine(Tokenizing):
             detokenize=False,
             output_kind=RequestOutputKind.CUMULATIVE,
         )
+        if self._swap_lock.locked():  # submitted during a swap: it starts under the new version
+            async with self._swap_lock:
+                pass
         rid = request.request_id or uuid.uuid4().hex
         track = self._inflight[rid] = _InFlight(request.n, self.version)
         latest: dict[int, object] = {}
