@@ -78,5 +78,15 @@ def test_grafana_dashboard_queries_metrics_the_code_exports():
     dash = json.loads((DEPLOY / "grafana" / "conveyor-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
     for metric in ("conveyor_messages_published_total", "conveyor_messages_consumed_total",
-                   "conveyor_messages_dead_lettered_total", "conveyor_publish_seconds_bucket"):  # fmt: skip
+                   "conveyor_messages_dead_lettered_total", "conveyor_publish_seconds_bucket",
+                   "conveyor_weight_swap_seconds_bucket", "conveyor_weight_swaps_refused_total",
+                   "conveyor_worker_policy_version", "conveyor_generated_tokens_total"):  # fmt: skip
         assert metric in exprs
+    from prometheus_client import generate_latest
+
+    from conveyor.metrics import RolloutMetrics
+
+    exported = generate_latest(RolloutMetrics.create().registry).decode()
+    for metric in ("conveyor_weight_swap_seconds_bucket", "conveyor_weight_swaps_refused_total",
+                   "conveyor_worker_policy_version", "conveyor_generated_tokens_total"):  # fmt: skip
+        assert metric in exported
