@@ -4,9 +4,9 @@
 step is one readable function (``_train_step``).
 
 - Batches are built from complete groups (all ``group_size`` samples of a
-  task), the oldest policy version first. A group still incomplete after ``group_timeout_s`` (a lost sample)
-  is dropped and counted in ``groups_incomplete``; it is never trained on
-  half.
+  task), the oldest policy version first. A group still incomplete after
+  ``group_timeout_s`` (a lost sample) is dropped and counted in
+  ``groups_incomplete``; it is never trained on half.
 - Samples older than ``max_lag`` policy versions are dropped and counted,
   or (``stale_decay`` > 0) kept with their advantage scaled by
   ``stale_decay ** (lag - max_lag)`` and counted; the staleness histogram of
@@ -285,7 +285,8 @@ class GRPOLearner:
                 completions.append(r.completion_token_ids.tolist())
                 behaviour.append(_tensor(r.behaviour_logprobs, torch.float32))
                 fresh.append(r.min_policy_version == r.max_policy_version == self.version)
-                temps.append(r.task.sampling.temperature if r.task is not None and r.task.sampling is not None else 1.0)
+                temp = r.task.sampling.temperature if r.task is not None and r.task.sampling is not None else 1.0
+                temps.append(temp if temp > 0 else 1.0)  # (a greedy sample has no sampled distribution)
                 masks.append(_tensor(r.loss_mask, torch.uint8).float())
                 advantages.append(a)
                 self.trained_ids.add(r.rollout_id)
