@@ -22,6 +22,7 @@ from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 
 log = structlog.get_logger(__name__)
+SEEN_WINDOW = 20_000
 
 
 class RewardBridge:
@@ -42,6 +43,9 @@ class RewardBridge:
         self.group_id = group_id
         self.max_batch = max_batch
         self.scored = 0
+        # Ids scored recently (a redelivered rollout is not scored twice): a bounded window, enough
+        # for redeliveries after a crash or a rebalance; the learner's ledger is the exact dedupe.
+        # 200k string ids grew the bridge by 44 % over a 30-minute load run (bench/load.py).
         self._seen: OrderedDict[str, None] = OrderedDict()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -70,7 +74,7 @@ class RewardBridge:
 
     def _remember(self, rollout_id: str) -> None:
         self._seen[rollout_id] = None
-        if len(self._seen) > 200_000:
+        if len(self._seen) > SEEN_WINDOW:
             self._seen.popitem(last=False)
 
     async def _score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
