@@ -80,7 +80,7 @@ class RewardBridge:
     async def _score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
         texts = [self.decode_text(r.completion_token_ids.tolist()) for r in rollouts]
         # A multi-turn episode is judged by its last attempt.
-        attempts = [t if (a := _last_attempt(r)) is None else a for r, t in zip(rollouts, texts)]
+        attempts = [t if (a := _judged_text(r)) is None else a for r, t in zip(rollouts, texts)]
         verdicts = await self.scorer.score([(r.task, a, r.rollout_id) for r, a in zip(rollouts, attempts)])
         return [
             ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback, details=v.details,  # type: ignore[arg-type]
@@ -89,7 +89,7 @@ class RewardBridge:
         ]
 
 
-def _last_attempt(rollout: Rollout) -> str | None:
+def _judged_text(rollout: Rollout) -> str | None:
     """What an episode is judged by: a tool episode's net script (the kept calls, replayed from
     the task's base), or a self-correction episode's last attempt; None for a single turn."""
     script = tool_episode_script(rollout.turns)

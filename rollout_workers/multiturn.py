@@ -37,8 +37,6 @@ class Episode:
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     finish_reason: str = "stop"
-    attempts: int = 0
-    solved: bool = False
 
     def add_attempt(self, c: Completion, text: str) -> None:
         base = len(self.token_ids)
@@ -48,7 +46,6 @@ class Episode:
         self.segments += [(base + a, base + b, v) for a, b, v in c.version_segments() if b > a]
         self.turns.append(Turn(role="assistant", text=text))
         self.finish_reason = c.finish_reason
-        self.attempts += 1
 
     def add_observation(self, ids: list[int], text: str, role: str = "user") -> None:
         if self.segments:  # observation tokens belong to the segment before them
@@ -111,9 +108,7 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
             verdicts = await scorer.score([(task, texts[i], f"{episode_id}/{i}/t{turn}") for i in active])
             observations = {}
             for i, v in zip(active, verdicts):
-                if v.verdict == "pass":
-                    episodes[i].solved = True
-                elif attempts[i].finish_reason != "abort" and v.verdict != "infra":
+                if v.verdict not in ("pass", "infra") and attempts[i].finish_reason != "abort":
                     observations[i] = feedback_text(v.verdict, v.feedback)
         if turn == task.max_turns - 1:
             break

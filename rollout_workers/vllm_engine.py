@@ -55,7 +55,6 @@ class SpeculativeLogprobsUnverified(ValueError):
 
 @dataclass
 class _InFlight:
-    n: int
     first_version: int
     lengths: dict[int, int] = field(default_factory=dict)
     """Tokens received so far per sample index."""
@@ -147,7 +146,7 @@ class VLLMEngine(Tokenizing):
             async with self._swap_lock:
                 pass
         rid = request.request_id or uuid.uuid4().hex
-        track = self._inflight[rid] = _InFlight(request.n, self.version)
+        track = self._inflight[rid] = _InFlight(self.version)
         latest: dict[int, object] = {}
         try:
             async for out in self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, request_id=rid):

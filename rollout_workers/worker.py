@@ -86,7 +86,6 @@ class RolloutWorker:
         self.scorer = scorer  # executes attempts of multi-turn tasks (the reward service)
         self.tool_sandbox = tool_sandbox  # runs tool turns of terminal tasks in persistent workspaces
         self.max_context_tokens = max_context_tokens or getattr(self.engine, "max_context", None) or 4096
-        self.episodes = 0
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
         """Rollouts published (acknowledged by the broker)."""
@@ -221,7 +220,6 @@ class RolloutWorker:
             results = await run_episodes(self.engine, self.scorer, task, prompt, request,
                                          max_context_tokens=self.max_context_tokens, episode_id=request.request_id,
                                          sandbox=self.tool_sandbox if tools else None)  # fmt: skip
-            self.episodes += len(results)
             finished = time.time()
             return [self._rollout(task, prompt, i, c, started, finished, e.loss_mask, e.turns)
                     for i, (c, e) in enumerate(results)]  # fmt: skip

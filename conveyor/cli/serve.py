@@ -113,17 +113,25 @@ class _ClosingEngine:
             await self.worker.engine.close()
 
 
+def _sandbox(cfg):
+    """The reward sandbox with the config's limits."""
+    from reward.sandbox import Sandbox, SandboxLimits
+
+    r = cfg.reward
+    limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
+                           tmp_mb=r.tmp_mb, nproc=r.nproc)  # fmt: skip
+    return Sandbox(limits, cgroups_mode=r.cgroups)
+
+
 def _tool_sandbox(cfg):
     """A sandbox on this host for tool turns (a stateless Celery task cannot keep a workspace
     alive between turns); None, with a warning, where user namespaces are unavailable."""
     import structlog
 
-    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+    from reward.sandbox import SandboxUnavailable
 
-    r = cfg.reward
     try:
-        return Sandbox(SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
-                                     tmp_mb=r.tmp_mb, nproc=r.nproc), cgroups_mode=r.cgroups)  # fmt: skip
+        return _sandbox(cfg)
     except SandboxUnavailable as exc:
         structlog.get_logger(__name__).warning("rollout_worker.no_tool_sandbox", reason=str(exc))
         return None
@@ -132,14 +140,10 @@ def _tool_sandbox(cfg):
 def _scorer(cfg):
     """The reward service as the config names it: the sandbox in this process, or Celery workers."""
     from reward.celery_app import make_app
-    from reward.sandbox import Sandbox, SandboxLimits
     from reward.scorers import CeleryScorer, LocalScorer
 
     if cfg.celery.type == "local":
-        r = cfg.reward
-        limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
-                               tmp_mb=r.tmp_mb, nproc=r.nproc)  # fmt: skip
-        return LocalScorer(Sandbox(limits, cgroups_mode=r.cgroups))
+        return LocalScorer(_sandbox(cfg))
     return CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s)
 
 
