@@ -6,14 +6,114 @@ at a time. Runs under ``torchrun`` with NCCL on GPUs and with gloo on CPU
 (that is how ``tests/integration/test_fsdp.py`` checks it: 2 CPU processes
 give the same loss and gradients as 1).
 
-``grpo_step_gradients`` is the learner's loss on a rank's share of a batch
+``grpo_loss_on_share`` is the learner's loss on a rank's share of a batch
 (sequences ``rank::world``), used by that test and by ``bench/learner_gpu.py``.
+
+The learner service on several ranks (``conveyor serve learner`` under
+``torchrun``) uses ``RankGroup``: rank 0 is the learner (it consumes the
+scored topic, builds batches, publishes weights, writes checkpoints) and
+sends every collective operation to the other ranks, which follow
+(``GRPOLearner.follow``). Commands travel on a gloo group of their own
+(objects pickled by ``broadcast_object_list``), so the followers can wait
+for the next batch as long as rollouts take to arrive, whatever backend
+the training collectives use. State dicts are gathered and loaded with
+``torch.distributed.checkpoint.state_dict`` in full (FQN-keyed) form, so a
+checkpoint written by N ranks resumes on M.
 """
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+
+# Followers wait on the command group for the next batch: as long as rollouts take to come.
+COMMAND_TIMEOUT = timedelta(days=7)
+
+
+class RankGroup:
+    """This process's place in a multi-rank learner, with the command channel from rank 0."""
+
+    def __init__(self, rank: int, world: int, commands) -> None:
+        self.rank, self.world, self.commands = rank, world, commands
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "RankGroup | None":
+        """Join the process group torchrun describes (``WORLD_SIZE`` > 1), or None for one process.
+        NCCL on GPUs (each rank on ``cuda:LOCAL_RANK``), gloo on CPU."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+        return cls(dist.get_rank(), dist.get_world_size(), commands)
+
+    def command(self, op: str | None = None, payload=None) -> tuple[str, object]:
+        """Rank 0 sends ``(op, payload)``; every rank returns it (the others block until it comes)."""
+        box = [(op, payload) if self.leader else None]
+        dist.broadcast_object_list(box, src=0, group=self.commands)
+        return box[0]  # type: ignore[return-value]
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.commands)
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def split_by_tokens(lengths: list[int], world: int) -> list[list[int]]:
+    """Sequence indices per rank, balancing token counts (longest first onto the lightest rank;
+    deterministic, so every rank computes the same split). Each list keeps batch order."""
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_model_state(model) -> dict:
+    """The unsharded state dict, FQN-keyed, on rank 0 (CPU; other ranks get ``{}``). Collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=dist.is_initialized()))
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """The optimizer's unsharded state, keyed by parameter FQN, on rank 0. Collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=dist.is_initialized()))
+
+
+def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Load full state dicts (given on rank 0; ``{}`` elsewhere) into a sharded or plain model. Collective."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    spread = dist.is_initialized()
+    set_model_state_dict(model, model_state, options=_options(broadcast_from_rank0=spread))
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=_options(broadcast_from_rank0=spread))
 
 
 def shard(model, *, mixed_precision: bool = False):

@@ -30,6 +30,11 @@ step is one readable function (``_train_step``).
   model's lineage every rollout is trained on exactly once. Policy versions
   stay monotonic across a restart (it continues after the newest version
   in the object store).
+- Several ranks (``ranks``, under ``torchrun``; ``learner/distributed.py``):
+  this object on rank 0 does all of the above; on every other rank
+  ``follow`` runs the collective half of each step (its share of the
+  sequences, packs of equal count on every rank), of each weights
+  publication and of each checkpoint, as rank 0 commands.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ from conveyor.contracts import LearnerProgress, ScoredRollout, WeightsAnnounceme
 from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import TopicPartition, Transport
+from learner.distributed import RankGroup, full_model_state, full_optimizer_state, load_full_state, split_by_tokens
 from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs, group_advantages
-from learner.packing import packed_completion_logprobs
+from learner.packing import LogprobHead, pack_sequences, packed_completion_logprobs
 from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
@@ -87,11 +93,19 @@ class GRPOLearner:
         pack_tokens: int = 4096,
         micro_batch: int = 0,
         stale_decay: float = 0.0,
+        ranks: RankGroup | None = None,
     ) -> None:
         import torch
 
         self.transport = transport
         self.topics = topics
+        self.ranks = ranks  # several ranks: ``model`` is the FSDP2-sharded root (learner.distributed.shard)
+        if ranks is not None:
+            if loss.kl_coef > 0:
+                raise ValueError("learner.kl_coef > 0 is not supported on several ranks (the frozen reference is not sharded)")
+            if pack_tokens <= 0:
+                raise ValueError("learner.pack_tokens must be > 0 on several ranks (each rank trains its packs)")
+        self._hf = model.model if isinstance(model, LogprobHead) else model  # the module state dicts are of
         if loss.kl_coef > 0:  # the reference is the policy as it starts (before any step)
             import copy
 
@@ -151,6 +165,28 @@ class GRPOLearner:
                 await self._seek_to_checkpoint(set(sub.consumer.assignment()))
             with (self.run_dir / "metrics.jsonl").open("a") as self.metrics_file:
                 await self._loop(stop, sub, weights_pub, progress_pub)
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.command, "stop")
+
+    def follow(self) -> None:
+        """On a rank other than 0: take part in every collective operation rank 0 runs
+        (steps, weights gathers, checkpoints, resume) until it says stop."""
+        assert self.ranks is not None and not self.ranks.leader
+        while True:
+            op, payload = self.ranks.command()
+            if op == "step":
+                self._optimise(payload)
+            elif op == "weights":
+                full_model_state(self._hf)
+            elif op == "checkpoint":
+                full_model_state(self._hf), full_optimizer_state(self._hf, self.optimizer)
+            elif op == "resume":
+                if payload is not None:  # rank 0 found a checkpoint: its scheduler state
+                    self._load_full({}, {}, payload)
+            elif op == "stop":
+                return
+            else:
+                raise RuntimeError(f"unknown learner command {op!r}")
 
     async def _loop(self, stop: asyncio.Event, sub: Subscriber, weights_pub: Publisher, progress_pub: Publisher) -> None:
         while not stop.is_set():
@@ -295,12 +331,12 @@ class GRPOLearner:
         stats: dict = {"loss": None, "importance_mean": None, "importance_max": None, "clip_fraction": None}
         tokens = 0
         if prompts:
-            loss, st = self._accumulate(prompts, completions, behaviour, advantages, masks, fresh, temps)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            self.scheduler.step()
-            stats.update(st, loss=loss, grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
-            tokens = int(st["tokens"])
+            work = dict(prompts=prompts, completions=completions, behaviour=behaviour, advantages=advantages, masks=masks,
+                        fresh=fresh, temps=temps)  # fmt: skip
+            if self.ranks is not None:
+                self.ranks.command("step", work)
+            stats.update(self._optimise(work))
+            tokens = int(stats["tokens"])
         self.step += 1
         elapsed = time.monotonic() - t0
         stats.update(
@@ -314,9 +350,52 @@ class GRPOLearner:
         )
         return stats
 
+    def _optimise(self, work: dict) -> dict:
+        """One optimizer step on the step's sequences (on several ranks, every rank runs it on the
+        same ``work`` and trains its share)."""
+        import torch
+
+        loss, stats = self._accumulate(**work)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm is a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        return dict(stats, loss=loss, grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+
+    def _micro_batches(self, prompts, completions) -> list[list[int]]:
+        """Sequence indices of each forward/backward pass this process runs.
+
+        One process: ``micro_batch`` sequences at a time (0: all). Several ranks: this rank's
+        share (token-balanced) one pack at a time, then empty passes up to the largest pack
+        count of any rank: FSDP gathers parameters and reduces gradients in every pass, so every
+        rank must run the same number."""
+        n = len(prompts)
+        if self.ranks is None:
+            size = self.micro_batch or n
+            return [list(range(lo, min(lo + size, n))) for lo in range(0, n, size)]
+        per_rank = []
+        for share in split_by_tokens([len(p) + len(c) for p, c in zip(prompts, completions)], self.ranks.world):
+            packs = pack_sequences([prompts[i] for i in share], [completions[i] for i in share], self.pack_tokens)
+            per_rank.append([[share[i] for i, _, _ in pack.spans] for pack in packs])
+        passes = max(len(r) for r in per_rank)
+        mine = per_rank[self.ranks.rank]
+        return mine + [[] for _ in range(passes - len(mine))]
+
+    def _logprobs(self, prompts, completions, temps, entropy=None):
+        import torch
+
+        device_type = next(self.model.parameters()).device.type
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device_type == "cuda"):  # bf16 matmuls, fp32 log-softmax
+            if self.pack_tokens:
+                return packed_completion_logprobs(self.model, prompts, completions, pack_tokens=self.pack_tokens,
+                                                  entropy=entropy, temperatures=temps)  # fmt: skip
+            return completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy, temperatures=temps)
+
     def _accumulate(self, prompts, completions, behaviour, advantages, masks, fresh=None, temps=None) -> tuple[float, dict]:
-        """Forward and backward in micro-batches of ``micro_batch`` sequences (0: all at once); the
-        gradients equal one pass over the whole batch (each part is normalised by the batch's totals).
+        """Forward and backward over ``_micro_batches``; the gradients equal one pass over the whole
+        batch (each part is normalised by the batch's totals; on several ranks each rank's part is
+        scaled by the rank count, as FSDP averages gradients over ranks).
 
         ``fresh[i]``: sample i was generated by exactly the current weights, so the gap between
         its behaviour logprobs and the learner's is the train/inference mismatch (engine numerics,
@@ -326,9 +405,8 @@ class GRPOLearner:
         import torch
 
         n = len(prompts)
-        size = self.micro_batch or n
+        world = self.ranks.world if self.ranks is not None else 1
         device = next(self.model.parameters()).device
-        on_gpu = device.type == "cuda"
         behaviour = [b.to(device) for b in behaviour]
         masks = [m.to(device) for m in masks]
         agg_tokens = float(sum(float(m.sum()) for m in masks))
@@ -336,38 +414,47 @@ class GRPOLearner:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, parts, entropies = 0.0, [], []
         mismatch = [0.0, 0, 0.0]  # sum, tokens, max
-        for lo in range(0, n, size):
-            sl = slice(lo, lo + size)
-            p, c = prompts[sl], completions[sl]
-            t = temps[sl] if temps else None
+        for idx in self._micro_batches(prompts, completions):
+            if not idx:  # this rank has no pack left: a pass that contributes nothing joins the collectives
+                idx, zero = [0], True
+            else:
+                zero = False
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            p, c = pick(prompts), pick(completions)
+            t = pick(temps) if temps else None
             prox = ref = None
             if self.loss_cfg.objective == "decoupled":
                 with torch.no_grad():  # the proximal policy: current weights, before this update
                     self.model.eval()
-                    prox = completion_logprobs(self.model, p, c, self.pad_id, temperatures=t)
+                    prox = self._logprobs(p, c, t)
+                    prox = [x.float() for x in prox]
             if self.loss_cfg.kl_coef > 0:
                 with torch.no_grad():
                     ref = completion_logprobs(self._reference_model(), p, c, self.pad_id, temperatures=t)
             self.model.train()
             ent: list[float] = []
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):  # bf16 matmuls on GPU, fp32 log-softmax
-                if self.pack_tokens:
-                    new = packed_completion_logprobs(self.model, p, c, pack_tokens=self.pack_tokens, entropy=ent, temperatures=t)
-                else:
-                    new = completion_logprobs(self.model, p, c, self.pad_id, entropy=ent, temperatures=t)
-            new = [x.float() for x in new]
-            for j, i in enumerate(range(n)[sl]):
+            new = [x.float() for x in self._logprobs(p, c, t, ent)]
+            if zero:
+                (sum(x.sum() for x in new) * 0.0).backward()
+                continue
+            for j, i in enumerate(idx):
                 if fresh and fresh[i]:
                     gap = (new[j].detach() - behaviour[i]).abs()[masks[i] > 0]
                     if gap.numel():
                         mismatch[0] += float(gap.sum())
                         mismatch[1] += gap.numel()
                         mismatch[2] = max(mismatch[2], float(gap.max()))
-            loss, st = clipped_pg_loss(new, behaviour[sl], advantages[sl], masks[sl], self.loss_cfg, prox, ref, denominator)
-            loss.backward()
+            loss, st = clipped_pg_loss(new, pick(behaviour), pick(advantages), pick(masks), self.loss_cfg, prox, ref, denominator)
+            (loss * world).backward()
             total_loss += float(loss.detach())
             parts.append(st)
             entropies.append(ent[0])
+        if self.ranks is not None:  # every rank's statistics, merged
+            gathered = self.ranks.gather((total_loss, parts, entropies, mismatch))
+            total_loss = sum(g[0] for g in gathered)
+            parts = [st for g in gathered for st in g[1]]
+            entropies = [e for g in gathered for e in g[2]]
+            mismatch = [sum(g[3][0] for g in gathered), sum(g[3][1] for g in gathered), max(g[3][2] for g in gathered)]
         tokens = sum(st["tokens"] for st in parts)
         weighted = lambda k: sum(st[k] * st["tokens"] for st in parts) / max(tokens, 1)  # noqa: E731
         stats = {
@@ -398,13 +485,7 @@ class GRPOLearner:
     async def _publish_weights(self, pub: Publisher[WeightsAnnouncement]) -> None:
         from safetensors.torch import save
 
-        # Tied tensors (lm_head = embed_tokens) are stored once, as HF checkpoints do.
-        state, seen = {}, set()
-        for name, tensor in self.model.state_dict().items():
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            state[name] = tensor.detach().contiguous()
+        state = await asyncio.to_thread(self._weights_state)
         data = await asyncio.to_thread(save, state)
         key = f"runs/{self.topics.run_id}/weights/v{self.version:06d}/model.safetensors"
         info = await asyncio.to_thread(self.store.put, key, data)
@@ -419,6 +500,22 @@ class GRPOLearner:
         if old >= 1:
             await asyncio.to_thread(self.store.delete, f"runs/{self.topics.run_id}/weights/v{old:06d}/model.safetensors")
 
+    def _weights_state(self) -> dict:
+        """The policy's tensors as a Hugging Face checkpoint stores them: a tied LM head once."""
+        if self.ranks is None:
+            state, seen = {}, set()
+            for name, tensor in self._hf.state_dict().items():
+                if tensor.data_ptr() in seen:
+                    continue
+                seen.add(tensor.data_ptr())
+                state[name] = tensor.detach().contiguous()
+            return state
+        self.ranks.command("weights")
+        state = full_model_state(self._hf)  # gathered from every rank's shards
+        if getattr(self._hf.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        return {k: v.contiguous() for k, v in state.items()}
+
     # ---------------------------------------------------------- checkpoints
     def _latest_published_version(self) -> int:
         versions = [int(m.group(1)) for i in self.store.list(f"runs/{self.topics.run_id}/weights/")
@@ -431,10 +528,19 @@ class GRPOLearner:
 
         state = load_latest(self.store, self.topics.run_id)
         if state is None:
+            if self.ranks is not None:
+                self.ranks.command("resume", None)
             return False
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("layout") == "full-fqn":
+            if self.ranks is not None:
+                self.ranks.command("resume", state["scheduler"])
+            self._load_full(state["model"], state["optimizer"], state["scheduler"])
+        else:  # written by a single-process learner before checkpoints were FQN-keyed
+            if self.ranks is not None:
+                raise RuntimeError("this checkpoint predates multi-rank checkpoints: resume it on one process")
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
         self.step = self.resumed_from = state["step"]
         # Versions the lost steps announced must not be reused for other weights.
         self.version = max(state["version"], self._latest_published_version())
@@ -446,6 +552,10 @@ class GRPOLearner:
         log.info("learner.resumed", step=self.step, version=self.version, trained=len(self.trained_log))
         return True
 
+    def _load_full(self, model_state: dict, optimizer_state: dict, scheduler_state: dict) -> None:
+        load_full_state(self._hf, self.optimizer, model_state, optimizer_state)  # rank 0's, broadcast
+        self.scheduler.load_state_dict(scheduler_state)
+
     async def _seek_to_checkpoint(self, assigned: set[TopicPartition]) -> None:
         sub = getattr(self, "_sub", None)
         consumer = sub.consumer if sub is not None else None
@@ -456,9 +566,15 @@ class GRPOLearner:
     async def checkpoint(self, sub=None) -> str:
         from learner.checkpoint import save_checkpoint
 
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.command, "checkpoint")
+        # Full, FQN-keyed state dicts (gathered from every rank): a checkpoint written by N ranks resumes on M.
+        model_state = await asyncio.to_thread(full_model_state, self._hf)
+        optimizer_state = await asyncio.to_thread(full_optimizer_state, self._hf, self.optimizer)
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "layout": "full-fqn",
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "version": self.version,

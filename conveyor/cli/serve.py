@@ -176,10 +176,16 @@ def learner(
     threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
 ) -> None:
     """Scored topic -> GRPO steps -> weights (object store + weights topic) and progress; resumes from its
-    newest checkpoint after a crash."""
+    newest checkpoint after a crash. Under torchrun (`torchrun --nproc-per-node N -m conveyor.cli.main
+    serve learner ...`) the policy is FSDP2-sharded over N ranks: rank 0 consumes, publishes and
+    checkpoints, every rank trains its share of each batch."""
+    import signal
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from conveyor.topics import Topics
+    from learner.distributed import RankGroup, shard
     from learner.grpo import LossConfig
     from learner.recipe import GRPOLearner
 
@@ -187,24 +193,44 @@ def learner(
     lc = cfg.learner
     if threads:
         torch.set_num_threads(threads)
+    ranks = RankGroup.from_env()  # None unless started by torchrun with more than one process
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     if torch.cuda.is_available():
         policy = policy.cuda()  # fp32 master weights; the step autocasts to bf16
     if lc.activation_checkpointing:
         policy.gradient_checkpointing_enable()
+    if ranks is not None:
+        policy = shard(policy, mixed_precision=torch.cuda.is_available())
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, max_importance_weight=lc.max_importance_weight,
                       std_normalise=lc.std_normalise, aggregation=lc.aggregation, objective=lc.objective,
                       kl_coef=lc.kl_coef)  # fmt: skip
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
 
-    _run_service(cfg, lambda transport, topics, store: GRPOLearner(
-        transport, topics, policy, tok.pad_token_id, store, run_dir=out,
-        batch_groups=lc.batch_groups, max_lag=lc.max_lag, stale_decay=lc.stale_decay, lr=lc.lr, loss=loss, group_timeout_s=lc.group_timeout_s,
-        keep_versions=lc.keep_versions, checkpoint_every=lc.checkpoint_every, keep_checkpoints=lc.keep_checkpoints,
-        warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens, micro_batch=lc.micro_batch,
-    ))  # fmt: skip
+    def build(transport, topics, store) -> GRPOLearner:
+        try:
+            return GRPOLearner(
+                transport, topics, policy, tok.pad_token_id, store, run_dir=out,
+                batch_groups=lc.batch_groups, max_lag=lc.max_lag, stale_decay=lc.stale_decay, lr=lc.lr, loss=loss,
+                group_timeout_s=lc.group_timeout_s, keep_versions=lc.keep_versions, checkpoint_every=lc.checkpoint_every,
+                keep_checkpoints=lc.keep_checkpoints, warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens,
+                micro_batch=lc.micro_batch, ranks=ranks,
+            )  # fmt: skip
+        except ValueError as exc:
+            typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+
+    if ranks is not None and not ranks.leader:
+        # Rank 0 decides when to stop (it checkpoints first, with every rank): ignore torchrun's signals.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        build(None, Topics(cfg.run_id), None).follow()
+        ranks.close()
+        return
+    _run_service(cfg, build)
+    if ranks is not None:
+        ranks.close()
 
 
 @app.command("rollout-worker")

@@ -15,28 +15,11 @@ from collections import Counter
 
 import yaml
 
-from conveyor.contracts import Rollout, ScoredRollout, Task, VersionSegment, float32_array, int32_array, rollout_id, uint8_array
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
+from scored_factory import scored_group
 
 GROUPS, GROUP_SIZE, BATCH_GROUPS = 60, 4, 2
-
-
-def group(run_id: str, g: int) -> list[ScoredRollout]:
-    task = Task(task_id=f"task-{g}", run_id=run_id, prompt="a = [1]", group_size=GROUP_SIZE)
-    out = []
-    for i in range(GROUP_SIZE):
-        ids = [5 + (g + i) % 7, 6, 7]
-        out.append(ScoredRollout(
-            rollout=Rollout(
-                rollout_id=rollout_id(task.task_id, i), task_id=task.task_id, run_id=run_id, sample_index=i,
-                group_size=GROUP_SIZE, prompt_token_ids=int32_array([3, 4, 5]), completion_token_ids=int32_array(ids),
-                behaviour_logprobs=float32_array([-1.0] * 3), loss_mask=uint8_array([1] * 3),
-                version_segments=[VersionSegment(start=0, end=3, policy_version=0)], task=task,
-            ),
-            reward=float(i % 2), verdict="pass" if i % 2 else "fail",
-        ))  # fmt: skip
-    return out
 
 
 def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path):
@@ -58,7 +41,7 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     store = LocalObjectStore(tmp_path / "objects")
     topics = Topics(run_id)
-    rows = [r for g in range(GROUPS) for r in group(run_id, g)]
+    rows = [r for g in range(GROUPS) for r in scored_group(run_id, g, GROUP_SIZE)]
 
     def publish_slowly():
         async def go():
