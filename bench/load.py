@@ -1,17 +1,29 @@
 """Load run: a distributed run on the local stack for ``--minutes``, every role its own
 process (``conveyor run``'s supervisor), resident memory of every service sampled.
 
-Each role's RSS is the sum over its process tree (a Celery reward worker's
-pool children included), read from ``/proc`` every ``--sample-s`` seconds.
+Each role's memory is summed over its process tree (a Celery reward worker's
+pool children and sandbox included), read from ``/proc`` every ``--sample-s``
+seconds, two ways:
+
+- RSS: what ``ps`` shows. Summed over a tree of forked processes it counts
+  pages a parent shares with its children once per process, and it catches
+  whatever program the sandbox is running at that instant (the reward
+  worker's "saw tooth").
+- PSS (``/proc/PID/smaps_rollup``): each shared page divided among the
+  processes sharing it, so the tree's sum is the memory it really holds.
+
 The level after warm-up is the median of the samples in the minute after
-``--warmup-minutes``; the figure is the largest growth of any role above
-that level over the rest of the run. The rate is samples consumed by the
+``--warmup-minutes``. ``load_rss_growth_max``: the largest single RSS sample
+of any role later on, above its level. ``load_pss_level_growth_max``: the
+largest one-minute median PSS of any role later on, above its level, i.e.
+sustained growth, not one sample that caught a sandboxed program. The rate is samples consumed by the
 learner per second (from its progress topic), and restarts of roles are
 reported (a restarted role starts its memory over).
 
     python bench/load.py [--minutes 30] [--warmup-minutes 5] [--config examples/distributed.yaml]
 
-Ends with ``FIGURE load_rss_growth_max <v> %`` and ``FIGURE load_samples_per_s <v> per_s``.
+Ends with ``FIGURE load_rss_growth_max <v> %``, ``FIGURE load_pss_level_growth_max <v> %`` and
+``FIGURE load_samples_per_s <v> per_s``.
 """
 
 from __future__ import annotations
@@ -30,8 +42,8 @@ import time
 import uuid
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of ``pid`` and all its descendants, in MiB."""
+def tree_memory_mb(pid: int) -> tuple[float, float]:
+    """(RSS, PSS) of ``pid`` and all its descendants, in MiB."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -42,19 +54,22 @@ def tree_rss_mb(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    total, stack = 0, [pid]
+    rss = pss = 0
+    stack = [pid]
     while stack:
         p = stack.pop()
         stack.extend(children.get(p, ()))
         try:
-            with open(f"/proc/{p}/status") as fh:
+            with open(f"/proc/{p}/smaps_rollup") as fh:
                 for line in fh:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1])
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1])
                         break
-        except OSError:
+        except OSError:  # gone, or a process of another user (the sandbox's): not readable
             continue
-    return total / 1024
+    return rss / 1024, pss / 1024
 
 
 def main() -> None:
@@ -89,7 +104,10 @@ def main() -> None:
             if elapsed >= next_sample:
                 row = {"t": round(elapsed, 1)}
                 for name, role in sup.roles.items():
-                    row[name] = round(tree_rss_mb(role.proc.pid), 1) if role.proc and role.proc.poll() is None else None
+                    alive = role.proc and role.proc.poll() is None
+                    rss, pss = tree_memory_mb(role.proc.pid) if alive else (None, None)
+                    row[name] = None if rss is None else round(rss, 1)
+                    row[f"{name}:pss"] = None if pss is None else round(pss, 1)
                 samples.append(row)
                 print(json.dumps(row), flush=True)
                 next_sample += args.sample_s
@@ -105,17 +123,35 @@ def main() -> None:
     warm = args.warmup_minutes * 60
     growth = {}
     for name in sup.roles:
-        level = [s[name] for s in samples if warm <= s["t"] < warm + 60 and s[name] is not None]
-        later = [s[name] for s in samples if s["t"] >= warm + 60 and s[name] is not None]
-        if level and later:
-            base = statistics.median(level)
-            growth[name] = {"after_warmup_mb": base, "max_mb": max(later), "growth_pct": round(100 * (max(later) / base - 1), 1)}
-    for name, g in growth.items():
-        print(f"{name}: {g['after_warmup_mb']:.0f} MiB after warm-up, max {g['max_mb']:.0f} MiB later ({g['growth_pct']:+.1f} %)")
+        rss, pss = _growth(samples, name, warm, level=False), _growth(samples, f"{name}:pss", warm, level=True)
+        if rss and pss:
+            growth[name] = (rss, pss)
+    for name, (rss, pss) in growth.items():
+        print(f"{name}: RSS {rss[0]:.0f} MiB after warm-up, max sample {rss[1]:.0f} MiB later ({rss[2]:+.1f} %); "
+              f"PSS {pss[0]:.0f} MiB after warm-up, max one-minute level {pss[1]:.0f} MiB later ({pss[2]:+.1f} %)")
     print(f"restarts: {restarts or 'none'}; learner: {progress}")
     rate = progress["samples_consumed"] / (args.minutes * 60) if progress else 0.0
-    print(f"FIGURE load_rss_growth_max {max(g['growth_pct'] for g in growth.values()):.1f} %")
+    print(f"FIGURE load_rss_growth_max {max(r[2] for r, _ in growth.values()):.1f} %")
+    print(f"FIGURE load_pss_level_growth_max {max(p[2] for _, p in growth.values()):.1f} %")
     print(f"FIGURE load_samples_per_s {rate:.1f} per_s")
+
+
+def _growth(samples: list[dict], key: str, warm: float, *, level: bool) -> tuple[float, float, float] | None:
+    """(level after warm-up, highest later value, growth %) of ``key``. The level is the median of
+    the minute after warm-up; later values are single samples, or (``level``) the median of each
+    sample's trailing minute."""
+    points = [(s["t"], s[key]) for s in samples if s.get(key) is not None]
+    base = [v for t, v in points if warm <= t < warm + 60]
+    if not base:
+        return None
+    if level:
+        later = [statistics.median(v for u, v in points if t - 60 < u <= t) for t, _ in points if t >= warm + 60]
+    else:
+        later = [v for t, v in points if t >= warm + 60]
+    if not later:
+        return None
+    b = statistics.median(base)
+    return b, max(later), round(100 * (max(later) / b - 1), 1)
 
 
 def _learner_progress(run_dir: Path) -> dict | None:
