@@ -105,7 +105,7 @@ class GRPOLearner:
                 raise ValueError("learner.kl_coef > 0 is not supported on several ranks (the frozen reference is not sharded)")
             if pack_tokens <= 0:
                 raise ValueError("learner.pack_tokens must be > 0 on several ranks (each rank trains its packs)")
-        self._hf = model.model if isinstance(model, LogprobHead) else model  # the module state dicts are of
+        self._hf = model.model if isinstance(model, LogprobHead) else model  # the HF model: state dicts are its
         if loss.kl_coef > 0:  # the reference is the policy as it starts (before any step)
             import copy
 
