@@ -325,6 +325,18 @@ class LearnerProgress(Message, frozen=True, kw_only=True, tag="progress"):
     samples_consumed: int
     policy_version: int
     step: int = 0
+    reward_mean: float | None = None  # of the last step's batch
+    max_staleness: int | None = None  # policy versions between the last step's oldest sample and its weights
+
+
+class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
+    """A service instance is alive (``conveyor status`` counts them). Every service publishes one
+    every ``interval_s`` seconds. Key: ``instance``."""
+
+    run_id: str
+    role: str
+    instance: str  # host:pid
+    interval_s: float
 
 
 # --------------------------------------------------------------------------

@@ -45,9 +45,11 @@ from conveyor.transport.base import Consumer, Producer, Record, SendResult, Topi
 
 if TYPE_CHECKING:
     from conveyor.metrics import TransportMetrics
+    from conveyor.topics import Topics
     from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
+HEARTBEAT_S = 5.0
 
 M = TypeVar("M", bound=Message)
 
@@ -242,19 +244,49 @@ class ServiceClients:
         async with ServiceClients(transport, topics.dead_letter, "reward-bridge") as io:
             out = io.publisher(topics.scored)
             rollouts = await io.subscribe([topics.rollouts], "reward-bridge", Rollout)
+
+    With ``heartbeats`` (the run's topics), it publishes a ``Heartbeat`` naming the service
+    every ``HEARTBEAT_S`` seconds while open: ``conveyor status`` counts the instances alive
+    from them, on any Kafka-protocol broker (DescribeGroups is not answered by every one).
     """
 
-    def __init__(self, transport: Transport, dead_letter_topic: str, service: str) -> None:
+    def __init__(self, transport: Transport, dead_letter_topic: str, service: str, *, heartbeats: Topics | None = None) -> None:
         self.transport = transport
         self.dead_letter_topic = dead_letter_topic
         self.service = service
         self.producer: Producer = transport.producer()
         self._subscribers: list[Subscriber] = []
+        self._heartbeats = heartbeats
+        self._beating: asyncio.Task | None = None
 
     async def __aenter__(self) -> "ServiceClients":
         await self.producer.start()
         self.dead_letters = DeadLetterSink(self.producer, self.dead_letter_topic, self.service)
+        if self._heartbeats is not None:
+            self._beating = asyncio.create_task(self._beat(self._heartbeats))
         return self
+
+    async def _beat(self, topics: Topics) -> None:
+        """Best effort: a heartbeat that cannot be sent is skipped, never an error of the service."""
+        import os
+        import socket
+
+        from conveyor.contracts import Heartbeat
+        from conveyor.transport.base import TopicSpec
+
+        instance = f"{socket.gethostname()}:{os.getpid()}"
+        pub: Publisher[Heartbeat] = Publisher(self.producer, topics.heartbeats)
+        try:
+            await self.transport.create_topics([TopicSpec(topics.heartbeats, 1)])
+        except Exception as exc:  # noqa: BLE001 - another service may be creating it
+            log.debug("heartbeat.topic", error=repr(exc))
+        while True:
+            try:
+                beat = Heartbeat(run_id=topics.run_id, role=self.service, instance=instance, interval_s=HEARTBEAT_S)
+                await asyncio.wait_for(await pub.publish(beat, key=instance), HEARTBEAT_S)
+            except Exception as exc:  # noqa: BLE001 - best effort (a timeout included)
+                log.debug("heartbeat.skipped", error=repr(exc))
+            await asyncio.sleep(HEARTBEAT_S)
 
     def publisher(self, topic: str, **kwargs) -> Publisher:
         from conveyor.metrics import process_metrics
@@ -272,6 +304,9 @@ class ServiceClients:
         return sub
 
     async def __aexit__(self, *exc) -> None:
+        if self._beating is not None:
+            self._beating.cancel()
+            await asyncio.gather(self._beating, return_exceptions=True)
         for sub in self._subscribers:
             await sub.close()
         await self.producer.close()

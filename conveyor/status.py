@@ -1,10 +1,13 @@
 """``conveyor status``: a run's health from the outside, read from the broker and the object store.
 
-Per consumer group: members alive and the lag of each topic it reads
-(end offset − committed offset, summed over partitions); the learner's
-progress (policy version, samples consumed, step) from the progress topic;
-the newest announced weights; the lake's size; throughput measured over a
-short window (samples consumed per second).
+Per consumer group: the lag of each topic it reads (end offset − committed
+offset, summed over partitions) and its members (where the broker answers
+DescribeGroups); the service instances alive per role, from the heartbeats
+every service publishes (any broker) and, for Celery reward workers, a
+Celery ping; the learner's progress (policy version, samples consumed,
+step, last step's reward and staleness) from the progress topic; the newest
+announced weights; the lake's size; throughput measured over a short window
+(samples consumed per second).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import time
 
 from conveyor.config import RunConfig
-from conveyor.contracts import DecodeError, LearnerProgress, WeightsAnnouncement, decode
+from conveyor.contracts import DecodeError, Heartbeat, LearnerProgress, WeightsAnnouncement, decode
 from conveyor.topics import Topics
 
 GROUPS = {
@@ -110,6 +113,65 @@ async def _members(servers: str, group: str) -> int | None:
         await admin.close()
 
 
+async def workers_alive(servers: str, topic: str, *, backlog: int = 5000, now: float | None = None) -> dict[str, dict]:
+    """Instances per role whose newest heartbeat (among the topic's last ``backlog`` records per
+    partition) is younger than three of its intervals (the sender's clock)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False)
+    await consumer.start()
+    newest: dict[tuple[str, str], Heartbeat] = {}
+    try:
+        await consumer.topics()
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        if not tps:
+            return {}
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            consumer.seek(tp, max(0, ends[tp] - backlog))
+        # Read up to the ends seen at the start (services keep beating while we read), or give up
+        # after a few seconds.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any([await consumer.position(tp) < ends[tp] for tp in tps]):
+            batch = await consumer.getmany(timeout_ms=300)
+            for records in batch.values():
+                for rec in records:
+                    try:
+                        hb = decode(rec.value, Heartbeat)
+                    except DecodeError:
+                        continue
+                    key = (hb.role, hb.instance)  # the embedded demo runs every role in one process
+                    if key not in newest or hb.created_at >= newest[key].created_at:
+                        newest[key] = hb
+    finally:
+        await consumer.stop()
+    now = time.time() if now is None else now
+    out: dict[str, dict] = {}
+    for hb in sorted(newest.values(), key=lambda h: (h.role, h.instance)):
+        if now - hb.created_at <= 3 * hb.interval_s:
+            role = out.setdefault(hb.role, {"alive": 0, "instances": []})
+            role["alive"] += 1
+            role["instances"].append(hb.instance)
+    return out
+
+
+def reward_workers_alive(cfg: RunConfig, timeout_s: float = 1.0) -> dict | None:
+    """Celery workers that answer on the run's broker and consume the run's reward queue (other
+    runs' workers may share the broker); None without a Celery broker."""
+    if cfg.celery.type not in ("redis", "rabbitmq"):
+        return None
+    from reward.celery_app import make_app
+
+    app = make_app(cfg)
+    try:
+        queues = app.control.inspect(timeout=timeout_s).active_queues() or {}
+    finally:
+        app.close()
+    names = sorted(name for name, qs in queues.items() if any(q.get("name") == cfg.reward.queue for q in qs or []))
+    return {"alive": len(names), "instances": names}
+
+
 async def collect(cfg: RunConfig, window_s: float = 2.0) -> dict:
     from conveyor.transport import open_transport
     from storage.lake import LakeReader
@@ -130,12 +192,17 @@ async def collect(cfg: RunConfig, window_s: float = 2.0) -> dict:
     status = {
         "run_id": cfg.run_id,
         "learner": None if progress is None else {"policy_version": progress.policy_version,
-                                                  "samples_consumed": progress.samples_consumed, "step": progress.step},  # fmt: skip
+                                                  "samples_consumed": progress.samples_consumed, "step": progress.step,
+                                                  "reward_mean": progress.reward_mean, "max_staleness": progress.max_staleness},  # fmt: skip
         "weights": None if weights is None else {"version": weights.version, "uri": weights.uri},
         "samples_per_s": rate,
     }
     if cfg.transport.type == "kafka":
         status["groups"] = await kafka_lag(cfg)
+        status["workers"] = await workers_alive(cfg.transport.bootstrap_servers, topics.heartbeats)
+        celery = await asyncio.to_thread(reward_workers_alive, cfg)
+        if celery is not None:
+            status["workers"]["reward-worker"] = celery
     store = await asyncio.to_thread(open_object_store, cfg.object_store)
     status["lake"] = await asyncio.to_thread(LakeReader(store, cfg.run_id).stats)
     return status

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.contracts import (
     DeadLetter,
+    Heartbeat,
     LearnerProgress,
     Message,
     Rollout,
@@ -30,6 +31,7 @@ TOPIC_KINDS: dict[str, type[Message]] = {
     "weights": WeightsAnnouncement,
     "progress": LearnerProgress,
     "dead-letter": DeadLetter,
+    "heartbeats": Heartbeat,
 }
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -83,16 +85,21 @@ class Topics:
     def dead_letter(self) -> str:
         return self.name("dead-letter")
 
+    @property
+    def heartbeats(self) -> str:
+        return self.name("heartbeats")
+
     def all(self) -> list[str]:
         return [self.name(kind) for kind in TOPIC_KINDS]
 
     def specs(self, partitions: int) -> list["TopicSpec"]:
         """What to create for a run: data topics with ``partitions`` partitions;
-        ``weights`` and ``progress`` (keyed by run_id, one writer) with one,
-        ``weights`` compacted so a new worker reads the latest version first."""
+        ``weights``, ``progress`` (keyed by run_id, one writer) and ``heartbeats`` (a few
+        messages a second) with one, ``weights`` compacted so a new worker reads the latest
+        version first."""
         from conveyor.transport.base import TopicSpec
 
-        single = {"weights", "progress"}
+        single = {"weights", "progress", "heartbeats"}
         return [
             TopicSpec(self.name(kind), 1 if kind in single else partitions, compacted=kind == "weights")
             for kind in TOPIC_KINDS

@@ -147,11 +147,12 @@ class GRPOLearner:
         self._first_seen: dict[str, float] = {}
         self._consumed_records: list = []  # records trained on or dropped since the last commit
         self._reported, self._reported_at = 0, 0.0  # samples_consumed last published on the progress topic
+        self._last_step: dict = {}  # reward and staleness of the last step, for the progress topic
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
-        async with ServiceClients(self.transport, self.topics.dead_letter, "learner") as io:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "learner", heartbeats=self.topics) as io:
             weights_pub: Publisher[WeightsAnnouncement] = io.publisher(self.topics.weights)
             progress_pub: Publisher[LearnerProgress] = io.publisher(self.topics.progress)
             if self.checkpoint_every:
@@ -204,6 +205,7 @@ class GRPOLearner:
             self.version += 1
             await self._publish_weights(weights_pub)
             self.samples_consumed += sum(len(g) for g in batch)
+            self._last_step = {"reward_mean": stats["reward_mean"], "max_staleness": stats["max_staleness"]}
             await self._publish_progress(progress_pub)
             self._position.update(self._safe_offsets())
             if not self.checkpoint_every:
@@ -217,7 +219,8 @@ class GRPOLearner:
     async def _publish_progress(self, pub: Publisher) -> None:
         await pub.publish_and_wait(
             LearnerProgress(
-                run_id=self.topics.run_id, samples_consumed=self.samples_consumed, policy_version=self.version, step=self.step
+                run_id=self.topics.run_id, samples_consumed=self.samples_consumed, policy_version=self.version, step=self.step,
+                **self._last_step,
             ),
             key=self.topics.run_id,
         )

@@ -96,7 +96,7 @@ class TaskProducer:
         return (self.max_lag + 2) * self.learner_batch_samples - (self.published_samples - self.consumed_samples)
 
     async def run(self, stop: asyncio.Event) -> None:
-        async with ServiceClients(self.transport, self.topics.dead_letter, "producer") as io:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "producer", heartbeats=self.topics) as io:
             pub: Publisher[Task] = io.publisher(self.topics.tasks)
             progress = await io.subscribe([self.topics.progress], f"producer-progress-{uuid.uuid4().hex[:8]}", LearnerProgress)
             scored = None

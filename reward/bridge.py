@@ -50,7 +50,7 @@ class RewardBridge:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Score until ``stop`` is set and nothing more is waiting."""
-        async with ServiceClients(self.transport, self.topics.dead_letter, "reward-bridge") as io:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "reward-bridge", heartbeats=self.topics) as io:
             publisher: Publisher[ScoredRollout] = io.publisher(self.topics.scored)
             sub = await io.subscribe([self.topics.rollouts], self.group_id, Rollout)
             quiet = 0  # consecutive empty polls

@@ -104,7 +104,7 @@ class RolloutWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
-        async with ServiceClients(self.transport, self.topics.dead_letter, "rollout-worker") as io:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "rollout-worker", heartbeats=self.topics) as io:
             publisher: Publisher[Rollout] = io.publisher(self.topics.rollouts)
             tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
             # Every worker sees every announcement and progress report: a group of its own.

@@ -65,7 +65,7 @@ class StorageSink:
 
         Commits stay in order: a batch's offsets are committed only after its own
         write and every earlier one completed."""
-        async with ServiceClients(self.transport, self.topics.dead_letter, "storage-sink") as io:
+        async with ServiceClients(self.transport, self.topics.dead_letter, "storage-sink", heartbeats=self.topics) as io:
             sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
             buffer: list = []
             inflight: tuple[asyncio.Task, list] | None = None

@@ -34,6 +34,16 @@ def celery_run(request, redis_url, tmp_path_factory):
         worker.stop()
 
 
+def test_status_counts_the_workers_on_the_runs_queue(celery_run):
+    from conveyor.status import reward_workers_alive
+
+    _, cfg = celery_run
+    alive = reward_workers_alive(cfg, timeout_s=2.0)
+    assert alive["alive"] == 1 and alive["instances"][0].startswith("w-"), alive
+    other = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"queue": "nobody-consumes-this"})})
+    assert reward_workers_alive(other, timeout_s=1.0)["alive"] == 0
+
+
 def test_scores_every_verifier_kind(celery_run):
     from reward.scorers import CeleryScorer
 

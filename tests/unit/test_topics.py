@@ -8,7 +8,7 @@ def test_names_are_namespaced_by_run():
     t = Topics("run-1")
     assert t.tasks == "conveyor.run-1.tasks"
     assert t.dead_letter == "conveyor.run-1.dead-letter"
-    assert len(set(t.all())) == 6
+    assert len(set(t.all())) == 7
     assert message_type_of(t.tasks) is Task and message_type_of(t.rollouts) is Rollout
     assert message_type_of("unrelated") is None
     specs = {s.name: s for s in t.specs(partitions=8)}
