@@ -3,8 +3,8 @@
 Per consumer group: the lag of each topic it reads (end offset − committed
 offset, summed over partitions) and its members (where the broker answers
 DescribeGroups); the service instances alive per role, from the heartbeats
-every service publishes (any broker) and, for Celery reward workers, a
-Celery ping; the learner's progress (policy version, samples consumed,
+every service publishes (any broker) and, for Celery reward workers, the
+workers consuming the run's queue; the learner's progress (policy version, samples consumed,
 step, last step's reward and staleness) from the progress topic; the newest
 announced weights; the lake's size; throughput measured over a short window
 (samples consumed per second).
