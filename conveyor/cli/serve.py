@@ -8,10 +8,12 @@ it finishes what it holds, publishes, commits, and exits 0.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 from typing import Optional
 
+import structlog
 import typer
 
 app = typer.Typer(help="Run one service (role) of a distributed deployment.", no_args_is_help=True)
@@ -41,7 +43,29 @@ async def _until_signalled(run, *args) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await run(*args, stop)
+    tracer = asyncio.create_task(_trace_memory()) if os.environ.get("CONVEYOR_TRACEMALLOC_S") else None
+    try:
+        await run(*args, stop)
+    finally:
+        if tracer is not None:
+            tracer.cancel()
+
+
+async def _trace_memory() -> None:
+    """Diagnosis of memory growth (``CONVEYOR_TRACEMALLOC_S=60``): every that many seconds, log
+    the allocation sites that grew most since the first report (slows the service down)."""
+    import tracemalloc
+
+    every = float(os.environ["CONVEYOR_TRACEMALLOC_S"])
+    tracemalloc.start(8)
+    log = structlog.get_logger("conveyor.memory")
+    await asyncio.sleep(every)
+    base = tracemalloc.take_snapshot()
+    while True:
+        await asyncio.sleep(every)
+        top = tracemalloc.take_snapshot().compare_to(base, "traceback")[:6]
+        log.info("memory.growth", traced_mb=round(tracemalloc.get_traced_memory()[0] / 2**20, 1),
+                 top=[{"kib": round(d.size_diff / 1024), "count": d.count_diff, "at": d.traceback.format()[-6:]} for d in top])  # fmt: skip
 
 
 def _run_service(cfg, build, *, with_store: bool = True) -> None:
