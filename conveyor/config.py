@@ -233,6 +233,10 @@ class LearnerConfig(_Section):
     group_timeout_s: float = Field(60.0, gt=0)
     """A group still incomplete after this long is dropped (and counted)."""
     keep_versions: int = Field(3, ge=1)
+    """Published weight versions kept in the object store (older ones are deleted)."""
+    publish_every: int = Field(1, ge=1)
+    """Steps between weights publications (and at a clean stop); versions count steps, so
+    samples can be up to publish_every - 1 versions old when generated: max_lag must allow it."""
     checkpoint_every: int = Field(10, ge=0)
     """Steps between checkpoints (0: none; offsets are then committed every step)."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -251,6 +255,15 @@ class LearnerConfig(_Section):
     activation_checkpointing: bool = False
     micro_batch: int = Field(0, ge=0)
     """Sequences per forward/backward; gradients accumulate over the step's batch (0: all at once)."""
+
+    @model_validator(mode="after")
+    def _lag_allows_publishing(self) -> LearnerConfig:
+        if self.stale_decay == 0 and self.max_lag < self.publish_every - 1:
+            raise ValueError(
+                f"max_lag ({self.max_lag}) must be at least publish_every - 1 ({self.publish_every - 1}): samples of the "
+                "newest published weights would be dropped as stale"
+            )
+        return self
 
 
 class VLLMConfig(_Section):

@@ -13,9 +13,10 @@ step is one readable function (``_train_step``).
   every step is logged.
 - Groups with zero reward variance are filtered (dynamic sampling) and
   counted.
-- After each step the policy is written to the object store as safetensors
-  under a versioned key and announced on the weights topic; old versions
-  beyond ``keep_versions`` are deleted. Progress (samples consumed, version)
+- Every ``publish_every`` steps (and at a clean stop) the policy is written
+  to the object store as safetensors under a versioned key (the version is
+  the step count) and announced on the weights topic; published versions
+  beyond the newest ``keep_versions`` are deleted. Progress (samples consumed, version)
   goes to the progress topic for admission control.
 - Offsets: the position of each partition is the oldest record not yet
   trained on (or dropped), so a crash re-reads what was pending and never
@@ -85,6 +86,7 @@ class GRPOLearner:
         loss: LossConfig = LossConfig(),
         group_timeout_s: float = 60.0,
         keep_versions: int = 3,
+        publish_every: int = 1,
         group_id: str = "learner",
         source=None,
         checkpoint_every: int = 0,
@@ -123,6 +125,9 @@ class GRPOLearner:
         self.loss_cfg = loss
         self.group_timeout_s = group_timeout_s
         self.keep_versions = keep_versions
+        if publish_every < 1:
+            raise ValueError("publish_every must be >= 1")
+        self.publish_every = publish_every  # steps between weights publications
         self.group_id = group_id
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         warm = max(1, warmup_steps)
@@ -203,7 +208,8 @@ class GRPOLearner:
                 continue
             stats = await asyncio.to_thread(self._train_step, batch)
             self.version += 1
-            await self._publish_weights(weights_pub)
+            if self.step % self.publish_every == 0:
+                await self._publish_weights(weights_pub)
             self.samples_consumed += sum(len(g) for g in batch)
             self._last_step = {"reward_mean": stats["reward_mean"], "max_staleness": stats["max_staleness"]}
             await self._publish_progress(progress_pub)
@@ -213,6 +219,8 @@ class GRPOLearner:
             elif self.step % self.checkpoint_every == 0:
                 await self.checkpoint(sub)
             self._record(stats)
+        if self.published_version != self.version and self.step != self.resumed_from:
+            await self._publish_weights(weights_pub)  # the final policy is always in the store
         if self.checkpoint_every and self.step != self.resumed_from:
             await self.checkpoint(sub)  # a clean stop leaves nothing to re-train
 
@@ -499,9 +507,17 @@ class GRPOLearner:
             key=self.topics.run_id,
         )
         self.published_version, self.published_key = self.version, key
-        old = self.version - self.keep_versions
-        if old >= 1:
-            await asyncio.to_thread(self.store.delete, f"runs/{self.topics.run_id}/weights/v{old:06d}/model.safetensors")
+        await asyncio.to_thread(self._prune_versions)
+
+    def _published_versions(self) -> list[int]:
+        return sorted(int(m.group(1)) for i in self.store.list(f"runs/{self.topics.run_id}/weights/")
+                      if (m := re.search(r"/weights/v(\d+)/", i.key)))  # fmt: skip
+
+    def _prune_versions(self) -> None:
+        """Delete published versions but the newest ``keep_versions`` (listed, so versions left by
+        an earlier process of this run go too)."""
+        for old in self._published_versions()[: -self.keep_versions]:
+            self.store.delete(f"runs/{self.topics.run_id}/weights/v{old:06d}/model.safetensors")
 
     def _weights_state(self) -> dict:
         """The policy's tensors as a Hugging Face checkpoint stores them: a tied LM head once."""
@@ -521,9 +537,7 @@ class GRPOLearner:
 
     # ---------------------------------------------------------- checkpoints
     def _latest_published_version(self) -> int:
-        versions = [int(m.group(1)) for i in self.store.list(f"runs/{self.topics.run_id}/weights/")
-                    if (m := re.search(r"/weights/v(\d+)/", i.key))]  # fmt: skip
-        return max(versions, default=0)
+        return max(self._published_versions(), default=0)
 
     def resume(self) -> bool:
         """Load the newest checkpoint, if any; returns whether one was loaded."""
