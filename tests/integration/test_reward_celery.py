@@ -60,6 +60,20 @@ def test_scores_every_verifier_kind(celery_run):
     assert got == [(1.0, "pass"), (1.0, "pass"), (0.0, "fail"), (0.0, "timeout"), (0.0, "error")]
 
 
+def test_result_messages_are_not_kept_after_collection(celery_run):
+    """Celery's Redis result consumer buffers READY messages that arrive after their result was
+    resolved and never drops them (the reward bridge grew 21 MiB over a 30-minute load run);
+    the scorer drops those of results it collected."""
+    from reward.scorers import CeleryScorer
+
+    app, cfg = celery_run
+    scorer = CeleryScorer(app, result_timeout_s=60)
+    for b in range(4):
+        items = [(T(f"m{b}-{i}", "math", answer=str(i)), rf"\boxed{{{i}}}", f"m-{uuid.uuid4().hex}") for i in range(48)]
+        assert {v.verdict for v in asyncio.run(scorer.score(items))} == {"pass"}
+    assert not set(app.backend._pending_messages) & set(scorer._collected)
+
+
 async def _bridge_once(app, rollouts, deliveries_of_first: int = 2):
     from conveyor.messaging import Publisher
     from conveyor.topics import Topics
