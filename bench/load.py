@@ -1,28 +1,25 @@
 """Load run: a distributed run on the local stack for ``--minutes``, every role its own
 process (``conveyor run``'s supervisor), resident memory of every service sampled.
 
-Each role's memory is summed over its process tree (a Celery reward worker's
-pool children and sandbox included), read from ``/proc`` every ``--sample-s``
-seconds, two ways:
-
-- RSS: what ``ps`` shows. Summed over a tree of forked processes it counts
-  pages a parent shares with its children once per process, and it catches
-  whatever program the sandbox is running at that instant (the reward
-  worker's "saw tooth").
-- PSS (``/proc/PID/smaps_rollup``): each shared page divided among the
-  processes sharing it, so the tree's sum is the memory it really holds.
+Each role's resident memory (RSS) is summed over its process tree (a Celery
+reward worker's pool children and its sandbox's fork server included), read
+from ``/proc`` every ``--sample-s`` seconds. The programs being scored (the
+descendants of the sandbox's fork server, ``harness.py``: one job at a time,
+each bounded by the sandbox's memory limit and gone when it ends) are the
+workload, not the service, and are counted apart: sampled while one runs,
+they made the reward worker look like a saw tooth (155 → 187 → 155 MiB).
 
 The level after warm-up is the median of the samples in the minute after
-``--warmup-minutes``. ``load_rss_growth_max``: the largest single RSS sample
-of any role later on, above its level. ``load_pss_level_growth_max``: the
-largest one-minute median PSS of any role later on, above its level, i.e.
-sustained growth, not one sample that caught a sandboxed program. The rate is samples consumed by the
+``--warmup-minutes``. ``load_rss_growth_max``: the largest single sample of
+any role later on, above its level. ``load_rss_level_growth_max``: the
+largest one-minute median of any role later on, above its level (sustained
+growth, not one sample). The rate is samples consumed by the
 learner per second (from its progress topic), and restarts of roles are
 reported (a restarted role starts its memory over).
 
     python bench/load.py [--minutes 30] [--warmup-minutes 5] [--config examples/distributed.yaml]
 
-Ends with ``FIGURE load_rss_growth_max <v> %``, ``FIGURE load_pss_level_growth_max <v> %`` and
+Ends with ``FIGURE load_rss_growth_max <v> %``, ``FIGURE load_rss_level_growth_max <v> %`` and
 ``FIGURE load_samples_per_s <v> per_s``.
 """
 
@@ -43,7 +40,8 @@ import uuid
 
 
 def tree_memory_mb(pid: int) -> tuple[float, float]:
-    """(RSS, PSS) of ``pid`` and all its descendants, in MiB."""
+    """RSS of ``pid`` and its descendants, in MiB: (the service's processes, the sandboxed jobs
+    they are running: descendants of a sandbox fork server)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -54,22 +52,23 @@ def tree_memory_mb(pid: int) -> tuple[float, float]:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    rss = pss = 0
-    stack = [pid]
+    service = jobs = 0
+    stack = [(pid, False)]
     while stack:
-        p = stack.pop()
-        stack.extend(children.get(p, ()))
+        p, is_job = stack.pop()
         try:
-            with open(f"/proc/{p}/smaps_rollup") as fh:
-                for line in fh:
-                    if line.startswith("Rss:"):
-                        rss += int(line.split()[1])
-                    elif line.startswith("Pss:"):
-                        pss += int(line.split()[1])
-                        break
-        except OSError:  # gone, or a process of another user (the sandbox's): not readable
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                fork_server = not is_job and b"harness.py" in fh.read()
+            with open(f"/proc/{p}/status") as fh:
+                rss = next((int(line.split()[1]) for line in fh if line.startswith("VmRSS:")), 0)
+        except OSError:
             continue
-    return rss / 1024, pss / 1024
+        if is_job:
+            jobs += rss
+        else:
+            service += rss
+        stack.extend((c, is_job or fork_server) for c in children.get(p, ()))
+    return service / 1024, jobs / 1024
 
 
 def main() -> None:
@@ -105,9 +104,10 @@ def main() -> None:
                 row = {"t": round(elapsed, 1)}
                 for name, role in sup.roles.items():
                     alive = role.proc and role.proc.poll() is None
-                    rss, pss = tree_memory_mb(role.proc.pid) if alive else (None, None)
+                    rss, jobs = tree_memory_mb(role.proc.pid) if alive else (None, None)
                     row[name] = None if rss is None else round(rss, 1)
-                    row[f"{name}:pss"] = None if pss is None else round(pss, 1)
+                    if jobs:
+                        row[f"{name}:jobs"] = round(jobs, 1)
                 samples.append(row)
                 print(json.dumps(row), flush=True)
                 next_sample += args.sample_s
@@ -123,16 +123,16 @@ def main() -> None:
     warm = args.warmup_minutes * 60
     growth = {}
     for name in sup.roles:
-        rss, pss = _growth(samples, name, warm, level=False), _growth(samples, f"{name}:pss", warm, level=True)
-        if rss and pss:
-            growth[name] = (rss, pss)
-    for name, (rss, pss) in growth.items():
-        print(f"{name}: RSS {rss[0]:.0f} MiB after warm-up, max sample {rss[1]:.0f} MiB later ({rss[2]:+.1f} %); "
-              f"PSS {pss[0]:.0f} MiB after warm-up, max one-minute level {pss[1]:.0f} MiB later ({pss[2]:+.1f} %)")
+        rss, level = _growth(samples, name, warm, level=False), _growth(samples, name, warm, level=True)
+        if rss and level:
+            growth[name] = (rss, level)
+    for name, (rss, level) in growth.items():
+        print(f"{name}: {rss[0]:.0f} MiB after warm-up, max sample {rss[1]:.0f} MiB later ({rss[2]:+.1f} %), "
+              f"max one-minute level {level[1]:.0f} MiB ({level[2]:+.1f} %)")
     print(f"restarts: {restarts or 'none'}; learner: {progress}")
     rate = progress["samples_consumed"] / (args.minutes * 60) if progress else 0.0
     print(f"FIGURE load_rss_growth_max {max(r[2] for r, _ in growth.values()):.1f} %")
-    print(f"FIGURE load_pss_level_growth_max {max(p[2] for _, p in growth.values()):.1f} %")
+    print(f"FIGURE load_rss_level_growth_max {max(p[2] for _, p in growth.values()):.1f} %")
     print(f"FIGURE load_samples_per_s {rate:.1f} per_s")
 
 
