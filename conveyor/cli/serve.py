@@ -203,8 +203,6 @@ def learner(
     newest checkpoint after a crash. Under torchrun (`torchrun --nproc-per-node N -m conveyor.cli.main
     serve learner ...`) the policy is FSDP2-sharded over N ranks: rank 0 consumes, publishes and
     checkpoints, every rank trains its share of each batch."""
-    import signal
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
