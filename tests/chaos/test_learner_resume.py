@@ -1,10 +1,13 @@
 """A learner killed with SIGKILL (three times) and restarted resumes from its
 newest checkpoint and, in the final model's lineage, trains on every rollout
-exactly once (checked by id against the checkpoint's ledger)."""
+exactly once (checked by id against the checkpoint's ledger). On one process,
+and on two ranks under torchrun with rank 0 killed (torchrun then ends the
+other rank; the restarted pair resumes from the checkpoint both wrote)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +18,9 @@ from collections import Counter
 
 import yaml
 
+import pytest
+
+from conftest import ROOT, free_port_block
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
 from scored_factory import scored_group
@@ -22,7 +28,29 @@ from scored_factory import scored_group
 GROUPS, GROUP_SIZE, BATCH_GROUPS = 60, 4, 2
 
 
-def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path):
+def rank0_of(torchrun: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """The pid of torchrun's worker with RANK=0."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                if ppid != torchrun.pid:
+                    continue
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    if b"\0RANK=0\0" in b"\0" + fh.read():
+                        return int(entry)
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.1)
+    raise AssertionError("torchrun started no rank 0")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path, ranks):
     from conveyor.transport.kafka import KafkaTransport
     from learner.checkpoint import load_latest
     from learner.models import create_tiny_llama
@@ -67,11 +95,13 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
             return 0
 
     def learner():
-        return subprocess.Popen(
-            [sys.executable, "-m", "conveyor.cli.main", "serve", "learner", "--config", str(tmp_path / "run.yaml"),
-             "--model", str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"), "--threads", "1"],
-            stdout=(tmp_path / "learner.log").open("a"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        serve = ["-m", "conveyor.cli.main", "serve", "learner", "--config", str(tmp_path / "run.yaml"),
+                 "--model", str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"), "--threads", "1"]  # fmt: skip
+        if ranks > 1:
+            serve = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port_block()}", *serve]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        return subprocess.Popen([sys.executable, *serve], stdout=(tmp_path / "learner.log").open("a"), stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)  # fmt: skip
 
     publisher = threading.Thread(target=publish_slowly)
     publisher.start()
@@ -84,8 +114,12 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
             while latest_step() < start + 3 and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.1)
             time.sleep(0.4)  # land somewhere between checkpoints
-            proc.send_signal(signal.SIGKILL)
-            assert proc.wait(10) == -signal.SIGKILL
+            if ranks == 1:
+                proc.send_signal(signal.SIGKILL)
+                assert proc.wait(10) == -signal.SIGKILL
+            else:  # rank 0 dies; torchrun must end the other rank and exit with an error
+                os.kill(rank0_of(proc), signal.SIGKILL)
+                assert proc.wait(60) != 0
             kills += 1
             steps_at_kill.append(latest_step())
         publisher.join(120)
@@ -94,8 +128,9 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
         deadline = time.monotonic() + 180
         while latest_step() < want and time.monotonic() < deadline:
             time.sleep(0.2)
-        final.send_signal(signal.SIGTERM)
-        assert final.wait(60) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        os.killpg(final.pid, signal.SIGTERM)  # torchrun passes it on; rank 0 checkpoints with every rank
+        rc = final.wait(90)
+        assert rc == 0 or ranks > 1, (tmp_path / "learner.log").read_text()[-3000:]  # torchrun reports the signal itself
     finally:
         publisher.join(1)
     state = load_latest(store, run_id)
