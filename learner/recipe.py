@@ -183,9 +183,9 @@ class GRPOLearner:
             if op == "step":
                 self._optimise(payload)
             elif op == "weights":
-                full_model_state(self._hf)
+                self._gather_weights()
             elif op == "checkpoint":
-                full_model_state(self._hf), full_optimizer_state(self._hf, self.optimizer)
+                self._gather_state()
             elif op == "resume":
                 if payload is not None:  # rank 0 found a checkpoint: its scheduler state
                     self._load_full({}, {}, payload)
@@ -520,20 +520,21 @@ class GRPOLearner:
             self.store.delete(f"runs/{self.topics.run_id}/weights/v{old:06d}/model.safetensors")
 
     def _weights_state(self) -> dict:
-        """The policy's tensors as a Hugging Face checkpoint stores them: a tied LM head once."""
-        if self.ranks is None:
-            state, seen = {}, set()
-            for name, tensor in self._hf.state_dict().items():
-                if tensor.data_ptr() in seen:
-                    continue
-                seen.add(tensor.data_ptr())
-                state[name] = tensor.detach().contiguous()
-            return state
-        self.ranks.command("weights")
-        state = full_model_state(self._hf)  # gathered from every rank's shards
-        if getattr(self._hf.config, "tie_word_embeddings", False):
+        if self.ranks is not None:
+            self.ranks.command("weights")
+        return self._gather_weights()
+
+    def _gather_weights(self) -> dict:
+        """The policy's tensors as a Hugging Face checkpoint stores them (a tied LM head once),
+        gathered from every rank's shards on several ranks (collective: every rank calls it)."""
+        state = full_model_state(self._hf)
+        if getattr(getattr(self._hf, "config", None), "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        return {k: v.contiguous() for k, v in state.items()}
+        return {k: v.detach().contiguous() for k, v in state.items()}
+
+    def _gather_state(self) -> tuple[dict, dict]:
+        """Full, FQN-keyed model and optimizer state (collective: every rank calls it, in this order)."""
+        return full_model_state(self._hf), full_optimizer_state(self._hf, self.optimizer)
 
     # ---------------------------------------------------------- checkpoints
     def _latest_published_version(self) -> int:
@@ -586,8 +587,7 @@ class GRPOLearner:
         if self.ranks is not None:
             await asyncio.to_thread(self.ranks.command, "checkpoint")
         # Full, FQN-keyed state dicts (gathered from every rank): a checkpoint written by N ranks resumes on M.
-        model_state = await asyncio.to_thread(full_model_state, self._hf)
-        optimizer_state = await asyncio.to_thread(full_optimizer_state, self._hf, self.optimizer)
+        model_state, optimizer_state = await asyncio.to_thread(self._gather_state)
         state = {
             "layout": "full-fqn",
             "model": model_state,
