@@ -32,7 +32,6 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -42,33 +41,24 @@ import uuid
 def tree_memory_mb(pid: int) -> tuple[float, float]:
     """RSS of ``pid`` and its descendants, in MiB: (the service's processes, the sandboxed jobs
     they are running: descendants of a sandbox fork server)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+    import psutil
+
     service = jobs = 0
-    stack = [(pid, False)]
+    stack = [(psutil.Process(pid), False)]
     while stack:
-        p, is_job = stack.pop()
+        proc, is_job = stack.pop()
         try:
-            with open(f"/proc/{p}/cmdline", "rb") as fh:
-                fork_server = not is_job and b"harness.py" in fh.read()
-            with open(f"/proc/{p}/status") as fh:
-                rss = next((int(line.split()[1]) for line in fh if line.startswith("VmRSS:")), 0)
-        except OSError:
+            rss = proc.memory_info().rss
+            fork_server = not is_job and any("harness.py" in a for a in proc.cmdline())
+            kids = proc.children()
+        except psutil.Error:  # gone meanwhile
             continue
         if is_job:
             jobs += rss
         else:
             service += rss
-        stack.extend((c, is_job or fork_server) for c in children.get(p, ()))
-    return service / 1024, jobs / 1024
+        stack.extend((k, is_job or fork_server) for k in kids)
+    return service / 2**20, jobs / 2**20
 
 
 def main() -> None:
@@ -79,6 +69,8 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=Path("examples/distributed.yaml"))
     ap.add_argument("--out", type=Path, default=None, help="Where to write the samples (JSON lines)")
     args = ap.parse_args()
+    if args.minutes < args.warmup_minutes + 1.5:
+        ap.error("--minutes must exceed --warmup-minutes by 1.5 at least (a minute to set the level, then samples to compare)")
 
     from conveyor.cli.run import _default_model
     from conveyor.config import load_run_config

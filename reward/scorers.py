@@ -58,11 +58,9 @@ class CeleryScorer:
         if buffered is None or not isinstance(self.app.backend, RedisBackend):
             return
         for task_id in self._collected:
-            try:
-                buf = buffered.pop(task_id)
-            except KeyError:
-                continue
-            buffered.total -= len(buf)
+            buf = buffered.pop(task_id, None)
+            if buf is not None:
+                buffered.total -= len(buf)
 
     async def score(self, items: Sequence[Item]) -> list[Verdict]:
         from celery.result import ResultSet

@@ -30,20 +30,15 @@ GROUPS, GROUP_SIZE, BATCH_GROUPS = 60, 4, 2
 
 def rank0_of(torchrun: subprocess.Popen, timeout_s: float = 60.0) -> int:
     """The pid of torchrun's worker with RANK=0."""
+    import psutil
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for child in psutil.Process(torchrun.pid).children():
             try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-                if ppid != torchrun.pid:
-                    continue
-                with open(f"/proc/{entry}/environ", "rb") as fh:
-                    if b"\0RANK=0\0" in b"\0" + fh.read():
-                        return int(entry)
-            except (OSError, ValueError, IndexError):
+                if child.environ().get("RANK") == "0":
+                    return child.pid
+            except psutil.Error:
                 continue
         time.sleep(0.1)
     raise AssertionError("torchrun started no rank 0")
