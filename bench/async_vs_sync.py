@@ -1,25 +1,38 @@
 """Asynchronous pipeline vs the same pipeline in lock step, same seed and budget.
 
-Runs ``conveyor demo`` twice in this process: ``--sync`` (max_lag 0: generate,
-then score, then train) and asynchronous (max_lag 1: generation, scoring and
-training overlap on the two cores). Both evaluate the held-out greedy pass
-rate every ``--eval-every`` seconds of wall time (the same evaluation cost
-per second in both runs). The figure is the lock-step run's wall
-time to reach the threshold divided by the asynchronous run's.
+Runs ``conveyor demo`` twice in this process per seed: ``--sync`` (max_lag 0:
+generate, then score, then train) and asynchronous (max_lag 1: generation,
+scoring and training overlap on the two cores), each for ``--budget`` seconds
+of RL, keeping every published weights version in the run's object store.
+Every run is its own process (runs sharing one slowed down one after another).
 
-    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 150] [--threshold 0.8] [--engine-process]
+Time to threshold is measured after the runs (``--eval-every 0``, the
+default): on a wall-clock grid (``--grid`` seconds) the newest version each
+run had published at that time is evaluated on ``--heldout`` held-out
+problems (greedy, judged by the reward service's verifier in the sandbox),
+and the figure is the lock-step run's first grid time at or above
+``--threshold`` divided by the asynchronous run's. Both runs are sampled at
+the same times, so neither gets more chances to touch the threshold, and no
+evaluation competes with the pipeline for the two cores while it runs.
+``--eval-every S`` instead evaluates every S seconds inside the runs (the
+demo's own display; 100 problems), the method of the earlier figures.
 
-Time-to-threshold on one seed carries the evaluation cadence and where each
-run's held-out curve happens to cross: with several seeds the figure is the
-geometric mean of the per-seed ratios (``async_speedup_total`` is the ratio
-of the summed times). Ends with ``FIGURE async_speedup <v> x``.
+    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--engine-process]
+
+With several seeds the figure is the geometric mean of the per-seed ratios
+(``async_speedup_total`` is the ratio of the summed times). Ends with
+``FIGURE async_speedup <v> x``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import multiprocessing
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not bench/
@@ -32,20 +45,68 @@ def time_to(evals: list[dict], threshold: float) -> float | None:
     return None
 
 
+class OfflineEval:
+    """Held-out greedy pass rate of a run's published versions, read back from its store."""
+
+    def __init__(self, result, out_dir: Path, heldout: int) -> None:
+        from conveyor.demo import Evaluator
+        from producers.suites.pyexpr import heldout_set, to_task
+        from reward.sandbox import Sandbox, SandboxLimits
+        from rollout_workers.reference_engine import ReferenceEngine
+        from storage.objectstore import LocalObjectStore
+
+        self.run_id = result.run_dir.name
+        self.model_dir = result.run_dir / "model"
+        self.store = LocalObjectStore(out_dir.resolve() / "objects")
+        self.engine = ReferenceEngine(self.model_dir, seed=0)
+        tasks = [to_task(p, self.run_id, 1, i, "heldout") for i, p in enumerate(heldout_set(heldout))]
+        self.sandbox = Sandbox(SandboxLimits(timeout_s=1.0), warm=True)
+        self.evaluator = Evaluator(self.engine, self.sandbox, tasks)
+        rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        # A step's row is written right after its version was published (publish_every 1).
+        self.published = sorted((r["wall_s"], r["version"]) for r in rows)
+        self.rates: dict[int, float] = {}
+
+    def version_at(self, t: float) -> int:
+        return max((v for wall, v in self.published if wall <= t), default=0)
+
+    def rate(self, version: int) -> float:
+        if version not in self.rates:
+            from safetensors.torch import load, load_file
+
+            if version == 0:  # the warmed-up model the run started from
+                state = load_file(self.model_dir / "model.safetensors")
+            else:
+                state = load(self.store.get(f"runs/{self.run_id}/weights/v{version:06d}/model.safetensors"))
+            self.engine.load_state_dict(state, version)
+            self.rates[version] = self.evaluator.pass_rate()
+        return self.rates[version]
+
+    def time_to(self, threshold: float, grid: float, horizon: float) -> float | None:
+        for i in range(int(horizon / grid) + 1):
+            if self.rate(self.version_at(i * grid)) >= threshold:
+                return i * grid
+        return None
+
+
 def main() -> None:
     from conveyor.demo import DemoConfig, run_demo
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds S)")
-    parser.add_argument("--budget", type=float, default=150.0, help="seconds of RL per run")
-    parser.add_argument("--threshold", type=float, default=0.8)
-    parser.add_argument("--eval-every", type=float, default=2.0, help="seconds between held-out evaluations")
+    parser.add_argument("--budget", type=float, default=40.0, help="seconds of RL per run")
+    parser.add_argument("--threshold", type=float, default=0.85)
+    parser.add_argument("--eval-every", type=float, default=0.0, help="evaluate inside the runs every this many seconds (0: after the runs)")
+    parser.add_argument("--grid", type=float, default=0.5, help="seconds between the evaluated times (after the runs)")
+    parser.add_argument("--heldout", type=int, default=300, help="held-out problems per evaluation (after the runs)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--async-objective", default="behaviour", help="the asynchronous run's objective (behaviour or decoupled)")
     parser.add_argument("--engine-process", action="store_true", help="both runs sample in a child process")
     args = parser.parse_args()
 
     seeds = [args.seed] if args.seed is not None else args.seeds
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     ratios, times, step_ratios = [], {"sync": 0.0, "async": 0.0}, []
     for seed in seeds:
         reached, steps_per_s = {}, {}
@@ -55,13 +116,28 @@ def main() -> None:
                 sync=mode == "sync",
                 rl_budget_s=args.budget,
                 eval_every_s=args.eval_every,
-                target_pass_rate=args.threshold,
+                target_pass_rate=args.threshold if args.eval_every > 0 else None,
+                keep_versions=1_000_000 if args.eval_every == 0 else 3,
                 out_dir=args.out,
-                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}",
+                # A fresh run id: an existing one would resume from that run's checkpoint.
+                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}-{stamp}",
                 engine_process=args.engine_process,
+                objective=args.async_objective if mode == "async" else "behaviour",
             )
-            r = run_demo(cfg)
-            reached[mode] = time_to(r.evals, args.threshold)
+            # Each run in a fresh process: runs in one process slowed down one after the other (the
+            # asynchronous run from 93 to 55 steps over four seeds: earlier runs' heap).
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                r = pool.submit(run_demo, cfg).result()
+            if args.eval_every > 0:
+                reached[mode] = time_to(r.evals, args.threshold)
+            else:
+                offline = OfflineEval(r, args.out, args.heldout)
+                reached[mode] = offline.time_to(args.threshold, args.grid, r.rl_time_s)
+                others = {th: offline.time_to(th, args.grid, r.rl_time_s) for th in (0.7, 0.75, 0.8, 0.85) if th != args.threshold}
+                print(f"seed {seed} {mode}: time to " + ", ".join(f"{th}: {t}" for th, t in others.items()), flush=True)
+                (r.run_dir / "heldout_by_version.json").write_text(json.dumps({
+                    "heldout": args.heldout, "published": offline.published, "pass_rate": offline.rates}))
+                offline.sandbox.close()
             steps_per_s[mode] = r.steps / r.rl_time_s
             print(
                 f"seed {seed} {mode:5s}: start {r.heldout_start:.2f} end {r.heldout_end:.2f} steps {r.steps} "

@@ -51,7 +51,11 @@ class DemoConfig:
     engine_process: bool = False  # run the rollout worker's engine in a child process
     lr: float = 5e-4
     heldout_size: int = 100
-    eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs
+    eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs; 0: none
+    keep_versions: int = 3  # published weights versions kept in the store (bench/async_vs_sync.py keeps all)
+    # Padded batches: the demo's sequences are short and alike, and packing them into one row with a
+    # block-causal mask costs 2.5x the step on CPU (dense attention over the whole pack).
+    pack_tokens: int = 0
     sync: bool = False
     threads_per_role: int = 1
     target_pass_rate: float | None = None  # stop early once held-out reaches it
@@ -147,6 +151,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     learner = GRPOLearner(
         transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
         run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr, checkpoint_every=25,
+        keep_versions=cfg.keep_versions, pack_tokens=cfg.pack_tokens,
         loss=LossConfig(objective=cfg.objective),
     )
     sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
@@ -182,7 +187,8 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
                 last = ctx["evals"][-1]["pass_rate"]
                 if cfg.target_pass_rate is not None and last >= cfg.target_pass_rate:
                     break
-            if eval_task is None and elapsed >= next_eval and learner.published_version > evaluated_version:
+            due = cfg.eval_every_s > 0 and elapsed >= next_eval
+            if eval_task is None and due and learner.published_version > evaluated_version:
                 evaluated_version = learner.published_version
                 next_eval = elapsed + cfg.eval_every_s
                 eval_task = asyncio.create_task(_evaluate(ctx, learner, started))
@@ -260,6 +266,10 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     write_run_meta(store, run_id, config, mode="demo")
     display = display or (lambda ctx, elapsed: None)
 
+    if cfg.eval_every_s < 0:
+        raise SystemExit(f"--eval-every {cfg.eval_every_s}: seconds >= 0 (0: evaluate only at the start and the end)")
+    if cfg.target_pass_rate is not None and cfg.eval_every_s == 0:
+        raise SystemExit("--target needs evaluations during the run: --eval-every > 0")
     if cfg.engine not in ("reference", "vllm"):
         raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
     if cfg.engine == "vllm":
@@ -277,7 +287,11 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     model.save_pretrained(model_dir)
     log.info("demo.warmup_done", loss=round(warm_loss, 4), seconds=round(time.monotonic() - t0, 1))
 
-    sandbox = Sandbox(SandboxLimits(timeout_s=1.0))
+    # Warm sandboxes (one long-lived bwrap each, fresh namespaces per program): a launch per batch
+    # cost a third of the reward stage, the pipeline's slowest. The evaluator has its own, so an
+    # evaluation never queues behind the reward bridge's batches.
+    sandbox = Sandbox(SandboxLimits(timeout_s=1.0), warm=True)
+    eval_sandbox = Sandbox(SandboxLimits(timeout_s=1.0), warm=True)
     if cfg.engine == "vllm":  # vLLM's engine core runs in its own processes
         from rollout_workers.vllm_engine import VLLMEngine
 
@@ -291,7 +305,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         engine = ReferenceEngine(model_dir, seed=cfg.seed)
     eval_engine = ReferenceEngine(model_dir, seed=cfg.seed)
     heldout = [to_task(p, run_id, 1, i, "heldout") for i, p in enumerate(heldout_set(cfg.heldout_size))]
-    evaluator = Evaluator(eval_engine, sandbox, heldout)
+    evaluator = Evaluator(eval_engine, eval_sandbox, heldout)
     start_rate = evaluator.pass_rate()
 
     learner_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -310,17 +324,20 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         "cfg": cfg,
     }
     try:
-        asyncio.run(_run_services(cfg, ctx, display))
+        try:
+            asyncio.run(_run_services(cfg, ctx, display))
+        finally:
+            if cfg.engine == "vllm":
+                asyncio.run(engine.close())
+            elif cfg.engine_process:
+                engine.close()
+            sandbox.close()
+        learner = ctx["learner"]
+        if not ctx["evals"] or ctx["evals"][-1]["version"] != learner.version:
+            eval_engine.load_state_dict(learner.model.state_dict(), learner.version)
+            ctx["evals"].append({"version": learner.version, "wall_s": ctx["rl_time_s"], "pass_rate": evaluator.pass_rate()})
     finally:
-        if cfg.engine == "vllm":
-            asyncio.run(engine.close())
-        elif cfg.engine_process:
-            engine.close()
-
-    learner = ctx["learner"]
-    if not ctx["evals"] or ctx["evals"][-1]["version"] != learner.version:
-        eval_engine.load_state_dict(learner.model.state_dict(), learner.version)
-        ctx["evals"].append({"version": learner.version, "wall_s": ctx["rl_time_s"], "pass_rate": evaluator.pass_rate()})
+        eval_sandbox.close()
     with (run_dir / "eval.jsonl").open("w") as fh:
         for e in ctx["evals"]:
             fh.write(json.dumps(e) + "\n")

@@ -201,7 +201,12 @@ class LocalObjectStore:
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         keys = []
-        for dirpath, _dirs, files in os.walk(self.root):
+        # Walk only the prefix's directory: the learner lists its weights at every publication,
+        # and a store shared by many runs (the demo's runs/objects) must not make that slower.
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if not base.resolve().is_relative_to(self.root.resolve()):
+            return
+        for dirpath, _dirs, files in os.walk(base):
             for name in files:
                 if name.startswith(".tmp-") or name.endswith(self._SIDECAR):
                     continue

@@ -106,7 +106,7 @@ def demo(
     engine_process: bool = typer.Option(False, "--engine-process", help="Sample in a child process (no GIL contention with the learner)."),
     objective: str = typer.Option("behaviour", help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
     target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
-    eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds."),
+    eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end)."),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
     """Run the whole pipeline in one process and watch a policy learn."""

@@ -38,6 +38,10 @@ def test_list_is_sorted_and_filtered_by_prefix(store):
     assert [o.key for o in store.list("runs/r1/")] == ["runs/r1/a", "runs/r1/b"]
     assert [o.key for o in store.list("runs/")] == ["runs/r1/a", "runs/r1/b", "runs/r2/a"]
     assert [o.size for o in store.list("other/")] == [len(b"other/x")]
+    # A prefix that ends inside a name, and one that names nothing.
+    assert [o.key for o in store.list("runs/r")] == ["runs/r1/a", "runs/r1/b", "runs/r2/a"]
+    assert [o.key for o in store.list("runs/r1/a")] == ["runs/r1/a"]
+    assert list(store.list("runs/r3/")) == [] and list(store.list("nothing/at/all")) == []
 
 
 def test_put_if_absent_refuses_overwrite(store):

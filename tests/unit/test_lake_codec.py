@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conveyor.contracts import (
@@ -62,6 +63,21 @@ def test_columns_are_typed():
     assert table.column("completion_token_ids").type.value_type == "int32"
     assert table.column("behaviour_logprobs").type.value_type == "float"
     assert table.column("policy_version_min").to_pylist() == [3] and table.column("policy_version_max").to_pylist() == [4]
+
+
+def test_token_lists_are_required_and_older_nullable_parts_still_read():
+    rows = [scored(i) for i in range(3)]
+    table = pq.read_table(io.BytesIO(parquet_bytes(rows)))
+    for name in ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "loss_mask"):
+        field = table.schema.field(name)
+        assert not field.nullable and not field.type.value_field.nullable, name
+    # A part written before the lists were required (nullable list<item>) decodes to the same rows.
+    legacy = pa.schema([pa.field(f.name, pa.list_(f.type.value_type)) if pa.types.is_list(f.type) else f for f in SCHEMA])
+    buf = io.BytesIO()
+    pq.write_table(table.cast(legacy), buf)
+    old = pq.read_table(io.BytesIO(buf.getvalue()))
+    assert old.schema.field("completion_token_ids").nullable
+    assert rows_from_table(old) == rows
 
 
 def test_same_rows_same_bytes_and_name():
