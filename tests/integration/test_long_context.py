@@ -49,7 +49,9 @@ def peak_kib(n: int) -> int:
 def test_peak_memory_grows_linearly_up_to_16k_tokens():
     mem = {n: peak_kib(n) for n in (4096, 8192, 16384)}
     print("peak memory above baseline (MiB):", {n: round(v / 1024, 1) for n, v in mem.items()})
-    # Quadratic attention memory would make each doubling cost 4x the previous increment.
-    growth = (mem[16384] - mem[8192]) / max(mem[8192] - mem[4096], 1)
+    # Linear growth: 4x the 4k peak at 16k; quadratic attention memory: 16x (and one head's
+    # 16k x 16k fp32 scores alone would be 1 GiB). Peak RSS carries allocator noise of tens of
+    # MiB, so the bounds compare peaks, not differences of peaks (3.5 between increments was seen).
+    assert mem[16384] < 6.0 * max(mem[4096], 1), mem
     assert mem[16384] < 3.0 * max(mem[8192], 1), mem
-    assert growth < 3.0, (mem, growth)
+    assert mem[16384] < 512 * 1024, mem
