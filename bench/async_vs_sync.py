@@ -1,10 +1,9 @@
 """Asynchronous pipeline vs the same pipeline in lock step, same seed and budget.
 
-Runs ``conveyor demo`` twice in this process per seed: ``--sync`` (max_lag 0:
+Runs ``conveyor demo`` twice per seed, each run in a fresh process: ``--sync`` (max_lag 0:
 generate, then score, then train) and asynchronous (max_lag 1: generation,
 scoring and training overlap on the two cores), each for ``--budget`` seconds
 of RL, keeping every published weights version in the run's object store.
-Every run is its own process (runs sharing one slowed down one after another).
 
 Time to threshold is measured after the runs (``--eval-every 0``, the
 default): on a wall-clock grid (``--grid`` seconds) the newest version each
@@ -124,8 +123,8 @@ def main() -> None:
                 engine_process=args.engine_process,
                 objective=args.async_objective if mode == "async" else "behaviour",
             )
-            # Each run in a fresh process: runs in one process slowed down one after the other (the
-            # asynchronous run from 93 to 55 steps over four seeds: earlier runs' heap).
+            # Each run in a fresh process: nothing of an earlier run (threads, heap, caches) shares
+            # the two cores with it.
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 r = pool.submit(run_demo, cfg).result()
             if args.eval_every > 0:

@@ -252,6 +252,13 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # Options are checked before anything is written.
+    if cfg.eval_every_s < 0:
+        raise SystemExit(f"--eval-every {cfg.eval_every_s}: seconds >= 0 (0: evaluate only at the start and the end)")
+    if cfg.target_pass_rate is not None and cfg.eval_every_s == 0:
+        raise SystemExit("--target needs evaluations during the run: --eval-every > 0")
+    if cfg.engine not in ("reference", "vllm"):
+        raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_role)
@@ -266,12 +273,6 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     write_run_meta(store, run_id, config, mode="demo")
     display = display or (lambda ctx, elapsed: None)
 
-    if cfg.eval_every_s < 0:
-        raise SystemExit(f"--eval-every {cfg.eval_every_s}: seconds >= 0 (0: evaluate only at the start and the end)")
-    if cfg.target_pass_rate is not None and cfg.eval_every_s == 0:
-        raise SystemExit("--target needs evaluations during the run: --eval-every > 0")
-    if cfg.engine not in ("reference", "vllm"):
-        raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
     if cfg.engine == "vllm":
         try:
             import vllm  # noqa: F401

@@ -15,8 +15,9 @@ the source of truth and uses manifest stats only to skip parts.
 Columns are typed (ids, run, task, policy versions, reward, verdict, token
 ids as ``list<int32>``, logprobs as ``list<float32>``, loss mask, texts,
 timings; the lists are non-nullable, with non-nullable elements, since
-2026-12-01: parts written before hold nullable lists and read the same); nested structures (version segments, turns, task, feedback,
-details) are JSON strings. A row converts back to the exact
+2026-12-01: parts written before hold nullable lists and read the same);
+nested structures (version segments, turns, task, feedback, details) are
+JSON strings. A row converts back to the exact
 ``ScoredRollout`` it came from (:func:`rows_from_table`).
 
 Readers deduplicate by ``rollout_id``: a sink killed between writing a part

@@ -16,4 +16,4 @@ from conveyor.demo import DemoConfig, run_demo
 def test_refused_with_the_option_named(tmp_path, kw, needle):
     with pytest.raises(SystemExit, match=needle):
         run_demo(DemoConfig(out_dir=tmp_path, **kw))
-    assert not (tmp_path / "objects").exists() or not any((tmp_path / "objects").rglob("*.safetensors"))
+    assert list(tmp_path.iterdir()) == []  # refused before any run directory or object was written
