@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--async-objective", default="behaviour", help="the asynchronous run's objective (behaviour or decoupled)")
     parser.add_argument("--engine-process", action="store_true", help="both runs sample in a child process")
+    parser.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's max_lag (the lock-step run has 0)")
     args = parser.parse_args()
 
     seeds = [args.seed] if args.seed is not None else args.seeds
@@ -119,8 +120,9 @@ def main() -> None:
                 keep_versions=1_000_000 if args.eval_every == 0 else 3,
                 out_dir=args.out,
                 # A fresh run id: an existing one would resume from that run's checkpoint.
-                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}-{stamp}",
+                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}-lag{args.max_lag}-{stamp}",
                 engine_process=args.engine_process,
+                max_lag=args.max_lag,
                 objective=args.async_objective if mode == "async" else "behaviour",
             )
             # Each run in a fresh process: nothing of an earlier run (threads, heap, caches) shares
