@@ -88,19 +88,25 @@ class ReferenceEngine(Tokenizing):
         if not rows:
             return []
         pad = self.tokenizer.pad_token_id
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
         with self._lock, torch.inference_mode():
             version = self.version
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            # Each prompt is prefilled once and its KV cache repeated for its n samples (the
+            # demo's prompts are 32 tokens and its completions at most 5: prefilling every
+            # sample was most of the engine's time).
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             cache = getattr(out, self._cache_kw)
             logits = out.logits[:, -1, :]
             next_pos = positions[:, -1:] + 1
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+                logits, mask, next_pos = (t.repeat_interleave(n, dim=0) for t in (logits, mask, next_pos))
             steps_tokens: list[torch.Tensor] = []
             steps_logps: list[torch.Tensor] = []
             done = torch.zeros(len(rows), dtype=torch.bool)
