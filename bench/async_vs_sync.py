@@ -1,7 +1,7 @@
 """Asynchronous pipeline vs the same pipeline in lock step, same seed and budget.
 
 Runs ``conveyor demo`` twice per seed, each run in a fresh process: ``--sync`` (max_lag 0:
-generate, then score, then train) and asynchronous (max_lag 1: generation,
+generate, then score, then train) and asynchronous (``--max-lag``, 1 by default: generation,
 scoring and training overlap on the two cores), each for ``--budget`` seconds
 of RL, keeping every published weights version in the run's object store.
 
@@ -16,7 +16,7 @@ evaluation competes with the pipeline for the two cores while it runs.
 ``--eval-every S`` instead evaluates every S seconds inside the runs (the
 demo's own display; 100 problems), the method of the earlier figures.
 
-    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--engine-process]
+    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--max-lag 1] [--engine-process]
 
 With several seeds the figure is the geometric mean of the per-seed ratios
 (``async_speedup_total`` is the ratio of the summed times). Ends with
