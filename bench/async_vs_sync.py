@@ -120,7 +120,7 @@ def main() -> None:
                 keep_versions=1_000_000 if args.eval_every == 0 else 3,
                 out_dir=args.out,
                 # A fresh run id: an existing one would resume from that run's checkpoint.
-                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}-lag{args.max_lag}-{stamp}",
+                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}-lag{0 if mode == 'sync' else args.max_lag}-{stamp}",
                 engine_process=args.engine_process,
                 max_lag=args.max_lag,
                 objective=args.async_objective if mode == "async" else "behaviour",

@@ -1,8 +1,9 @@
 """Reference engine: batched sampling with a KV cache in plain PyTorch/transformers.
 
 For machines without vLLM, and as the correctness oracle for the vLLM
-backend. Prompts are left-padded into one batch, each prompt repeated ``n``
-times; every step samples from ``softmax(logits / temperature)`` and records
+backend. Prompts are left-padded into one batch and prefilled once each; the
+KV cache is then repeated for each prompt's ``n`` samples; every step samples
+from ``softmax(logits / temperature)`` and records
 the log-probability of the sampled token *under that same distribution*, so
 the learner's importance ratios compare like with like.
 
@@ -84,8 +85,8 @@ class ReferenceEngine(Tokenizing):
         import torch
 
         stop = set(stop_token_ids or ()) | {self.tokenizer.eos_token_id}
-        rows = [p for p in prompts for _ in range(n)]
-        if not rows:
+        batch = len(prompts) * n  # sample rows: prompt k's samples are rows k*n .. k*n+n-1
+        if batch == 0:
             return []
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
@@ -109,7 +110,7 @@ class ReferenceEngine(Tokenizing):
                 logits, mask, next_pos = (t.repeat_interleave(n, dim=0) for t in (logits, mask, next_pos))
             steps_tokens: list[torch.Tensor] = []
             steps_logps: list[torch.Tensor] = []
-            done = torch.zeros(len(rows), dtype=torch.bool)
+            done = torch.zeros(batch, dtype=torch.bool)
             stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
             for _ in range(max_new_tokens):
                 logprobs = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
@@ -122,7 +123,7 @@ class ReferenceEngine(Tokenizing):
                 done |= torch.isin(choice, stop_ids)
                 if bool(done.all()):
                     break
-                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+                mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
                 out = self.model(
                     input_ids=choice[:, None],
                     attention_mask=mask,
@@ -138,14 +139,14 @@ class ReferenceEngine(Tokenizing):
         all_tokens = torch.stack(steps_tokens, dim=1)
         all_logps = torch.stack(steps_logps, dim=1)
         is_stop = torch.isin(all_tokens, stop_ids)
-        first_stop = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.full((len(rows),), all_tokens.shape[1]))
+        first_stop = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.full((batch,), all_tokens.shape[1]))
         token_rows = all_tokens.tolist()
         logp_rows = all_logps.tolist()
         lengths = first_stop.tolist()
         stopped = is_stop.any(1).tolist()
-        tokens = [token_rows[i][: lengths[i]] for i in range(len(rows))]
-        logps = [logp_rows[i][: lengths[i]] for i in range(len(rows))]
+        tokens = [token_rows[i][: lengths[i]] for i in range(batch)]
+        logps = [logp_rows[i][: lengths[i]] for i in range(batch)]
         completions = [
-            Completion(tokens[i], logps[i], "stop" if stopped[i] else "length", version) for i in range(len(rows))
+            Completion(tokens[i], logps[i], "stop" if stopped[i] else "length", version) for i in range(batch)
         ]
         return [completions[k * n:(k + 1) * n] for k in range(len(prompts))]
