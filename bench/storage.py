@@ -12,7 +12,7 @@
    Parquet decode + filter/dedupe), against raw boto3 GETs of the same
    objects with the same concurrency (bytes only, nothing decoded).
 
-    python bench/storage.py [--n 4000] [--tokens 2048] [--rounds 3] [--demo-rate 650]
+    python bench/storage.py [--n 4000] [--tokens 2048] [--rounds 3] [--demo-rate 650] [--sink-inflight 2]
 
 Ends with ``FIGURE sink_rollouts_per_s``, ``FIGURE sink_vs_demo_ratio`` and ``FIGURE replay_vs_raw_ratio``.
 """
@@ -55,11 +55,10 @@ def make_rows(run_id: str, n: int, tokens: int):
     return rows
 
 
-async def sink_rate(kafka_cfg, store, run_id: str, rows) -> float:
+async def publish_rows(kafka_cfg, run_id: str, rows) -> None:
     from conveyor.messaging import Publisher
     from conveyor.topics import Topics
     from conveyor.transport.kafka import KafkaTransport
-    from storage.sink import StorageSink
 
     topics = Topics(run_id)
     transport = KafkaTransport(kafka_cfg)
@@ -70,14 +69,23 @@ async def sink_rate(kafka_cfg, store, run_id: str, rows) -> float:
     futs = [await pub.publish(r, r.rollout.task_id) for r in rows]
     await asyncio.gather(*futs)
     await producer.close()
-    sink = StorageSink(transport, topics, store, flush_rows=512, flush_s=1.0)
+    await transport.close()
+
+
+async def sink_rate(kafka_cfg, store, run_id: str, n: int, max_inflight: int = 2) -> float:
+    from conveyor.topics import Topics
+    from conveyor.transport.kafka import KafkaTransport
+    from storage.sink import StorageSink
+
+    transport = KafkaTransport(kafka_cfg)
+    sink = StorageSink(transport, Topics(run_id), store, flush_rows=512, flush_s=1.0, max_inflight=max_inflight)
     stop = asyncio.Event()
     stop.set()  # drain what is there, then return
     await sink.run(stop)
     await transport.close()
-    assert sink.rows_written == len(rows), (sink.rows_written, len(rows))
+    assert sink.rows_written == n, (sink.rows_written, n)
     # Steady state: first record polled to last part stored (the group join before it is not throughput).
-    return len(rows) / (sink.last_flush_at - sink.first_record_at)
+    return n / (sink.last_flush_at - sink.first_record_at)
 
 
 def replay_rates(store, run_id: str, rounds: int, prefetch: int = 4) -> tuple[list[float], list[float], list[float]]:
@@ -108,6 +116,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--demo-rate", type=float, default=650.0, help="rollouts/s of `conveyor demo` (its display)")
+    ap.add_argument("--sink-inflight", type=int, default=2, help="flushes the sink runs at once (StorageSink.max_inflight)")
     ap.add_argument("--compression", default=None, help="Parquet codec of the parts (default: storage.lake.COMPRESSION)")
     args = ap.parse_args()
     if args.compression:
@@ -132,7 +141,9 @@ def main() -> None:
             rows = make_rows(run_id, args.n, args.tokens)
             size = sum(len(r.rollout.completion_token_ids) for r in rows) * 9 / len(rows)
             print(f"{args.n} rollouts of {args.tokens} tokens (~{size / 1024:.0f} KiB of arrays each)")
-            rate = asyncio.run(sink_rate(kafka_cfg, store, run_id, rows))
+            asyncio.run(publish_rows(kafka_cfg, run_id, rows))
+            del rows  # the sink service holds only what it consumed
+            rate = asyncio.run(sink_rate(kafka_cfg, store, run_id, args.n, args.sink_inflight))
             print(f"sink: {rate:.0f} rollouts/s")
             ours, tables, raw = replay_rates(store, run_id, args.rounds)
             for o, t, r in zip(ours, tables, raw):

@@ -94,7 +94,7 @@ def uint8_array(values: Any) -> memoryview:
 # base
 
 
-class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
+class Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="t"):
     """Base of every wire message: schema version and creation time."""
 
     schema_version: int = SCHEMA_VERSION
@@ -105,13 +105,13 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
 # tasks
 
 
-class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+class ChatMessage(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     name: str | None = None  # tool name for role == "tool"
 
 
-class VerifierSpec(msgspec.Struct, frozen=True, kw_only=True):
+class VerifierSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """What the reward service runs to score a completion.
 
     ``kind`` selects a verifier (``python_tests``, ``terminal``, ``math``,
@@ -123,7 +123,7 @@ class VerifierSpec(msgspec.Struct, frozen=True, kw_only=True):
     data: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+class SamplingParams(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 512
@@ -174,7 +174,7 @@ def rollout_id(task_id: str, sample_index: int, attempt: int = 0) -> str:
     return f"ro-{digest}"
 
 
-class VersionSegment(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class VersionSegment(msgspec.Struct, frozen=True, gc=False, kw_only=True, array_like=True):
     """Completion tokens ``[start, end)`` were produced by ``policy_version``.
 
     On the wire: ``[start, end, policy_version]``.
@@ -185,13 +185,13 @@ class VersionSegment(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     policy_version: int
 
 
-class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+class ToolCall(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     name: str
     arguments: dict[str, Any] = msgspec.field(default_factory=dict)
     call_id: str | None = None
 
 
-class Turn(msgspec.Struct, frozen=True, kw_only=True):
+class Turn(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One turn of a (multi-turn) episode, as text, for humans and SFT export."""
 
     role: Literal["system", "user", "assistant", "tool"]
@@ -209,7 +209,7 @@ def tool_episode_script(turns: list[Turn]) -> str | None:
     return "\n".join(str(c.arguments.get("replay", "")) for c in calls if c.arguments.get("kept"))
 
 
-class Timings(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class Timings(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
     """Unix-second timestamps; zero when not measured."""
 
     task_received_at: float = 0.0
@@ -276,7 +276,7 @@ _ROLLOUT_ARRAYS = (
 _force_setattr = msgspec.structs.force_setattr
 
 
-class Feedback(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class Feedback(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
     """A readable account of what went wrong, fed back to the model."""
 
     exception_type: str | None = None

@@ -183,13 +183,15 @@ def storage_sink(
     config: Path = CONFIG,
     flush_rows: int = typer.Option(512, min=1, help="Flush after this many rollouts..."),
     flush_s: float = typer.Option(5.0, min=0.05, help="...or when the oldest buffered one is this old."),
+    max_inflight: int = typer.Option(2, min=1, help="Flushes written at once (offsets still commit in order)."),
 ) -> None:
     """Scored topic -> trajectory lake (Parquet in the object store); offsets committed after the store confirms."""
     from storage.sink import StorageSink
 
     cfg = _load(config, "storage-sink")
 
-    _run_service(cfg, lambda transport, topics, store: StorageSink(transport, topics, store, flush_rows=flush_rows, flush_s=flush_s))
+    _run_service(cfg, lambda transport, topics, store: StorageSink(transport, topics, store, flush_rows=flush_rows, flush_s=flush_s,
+                                                                           max_inflight=max_inflight))
 
 
 @app.command("learner")
