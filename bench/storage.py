@@ -11,6 +11,9 @@
    in flight) and as Arrow tables by ``LakeReader.iter_tables`` (GET +
    Parquet decode + filter/dedupe), against raw boto3 GETs of the same
    objects with the same concurrency (bytes only, nothing decoded).
+3. CPU accounting: for each stage, CPU time of this process ("client"), of
+   the broker and of the S3 server (from /proc) per rollout or per part.
+   On a 2-core machine running all three, the ratios are CPU ratios.
 
     python bench/storage.py [--n 4000] [--tokens 2048] [--rounds 3] [--demo-rate 650] [--sink-inflight 2]
 
@@ -27,11 +30,33 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (the stack's brokers), from /proc."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds spent by this process and each named server process between two reads."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def read(self) -> dict[str, float]:
+        t = os.times()
+        return {"client": t.user + t.system} | {name: proc_cpu_s(pid) for name, pid in self.pids.items()}
+
+    @staticmethod
+    def per(a: dict[str, float], b: dict[str, float], n: int, unit: float = 1e3) -> str:
+        return ", ".join(f"{k} {(b[k] - a[k]) / n * unit:.1f}" for k in a)
 
 
 def make_rows(run_id: str, n: int, tokens: int):
@@ -72,7 +97,7 @@ async def publish_rows(kafka_cfg, run_id: str, rows) -> None:
     await transport.close()
 
 
-async def sink_rate(kafka_cfg, store, run_id: str, n: int, max_inflight: int = 2) -> float:
+async def sink_rate(kafka_cfg, store, run_id: str, n: int, max_inflight: int = 2, meter: CpuMeter | None = None) -> float:
     from conveyor.topics import Topics
     from conveyor.transport.kafka import KafkaTransport
     from storage.sink import StorageSink
@@ -81,33 +106,47 @@ async def sink_rate(kafka_cfg, store, run_id: str, n: int, max_inflight: int = 2
     sink = StorageSink(transport, Topics(run_id), store, flush_rows=512, flush_s=1.0, max_inflight=max_inflight)
     stop = asyncio.Event()
     stop.set()  # drain what is there, then return
+    before = meter.read() if meter else None
     await sink.run(stop)
+    if meter:
+        print(f"sink CPU per rollout (us): {meter.per(before, meter.read(), n, 1e6)}")
     await transport.close()
     assert sink.rows_written == n, (sink.rows_written, n)
     # Steady state: first record polled to last part stored (the group join before it is not throughput).
     return n / (sink.last_flush_at - sink.first_record_at)
 
 
-def replay_rates(store, run_id: str, rounds: int, prefetch: int = 4) -> tuple[list[float], list[float], list[float]]:
+def replay_rates(store, run_id: str, rounds: int, prefetch: int = 4, meter: CpuMeter | None = None):
     from storage.lake import LakeReader
 
     reader = LakeReader(store, run_id, prefetch=prefetch)
     keys = reader.parts()
     client, bucket = store._client, store.bucket
-    ours, tables, raw = [], [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        n = sum(1 for _ in reader.iter())
-        ours.append(n / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        assert sum(t.num_rows for t in reader.iter_tables()) == n
-        tables.append(n / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
+
+    def ours() -> int:
+        return sum(1 for _ in reader.iter())
+
+    def tables() -> int:
+        return sum(t.num_rows for t in reader.iter_tables())
+
+    def raw() -> int:
         with ThreadPoolExecutor(prefetch) as pool:
             sizes = list(pool.map(lambda k: len(client.get_object(Bucket=bucket, Key=store._key(k))["Body"].read()), keys))
-        raw.append(n / (time.perf_counter() - t0))
         assert sum(sizes) > 0
-    return ours, tables, raw
+        return n
+
+    n = ours()  # warm: connections, page cache
+    rates: dict[str, list[float]] = {"iter": [], "iter_tables": [], "raw": []}
+    cpu: dict[str, str] = {}
+    for _ in range(rounds):
+        for name, fn in (("iter", ours), ("iter_tables", tables), ("raw", raw)):
+            before = meter.read() if meter else None
+            t0 = time.perf_counter()
+            assert fn() == n
+            rates[name].append(n / (time.perf_counter() - t0))
+            if meter:
+                cpu[name] = meter.per(before, meter.read(), len(keys))
+    return rates, cpu, len(keys)
 
 
 def main() -> None:
@@ -143,12 +182,16 @@ def main() -> None:
             print(f"{args.n} rollouts of {args.tokens} tokens (~{size / 1024:.0f} KiB of arrays each)")
             asyncio.run(publish_rows(kafka_cfg, run_id, rows))
             del rows  # the sink service holds only what it consumed
-            rate = asyncio.run(sink_rate(kafka_cfg, store, run_id, args.n, args.sink_inflight))
+            running = stack.read_state()
+            meter = CpuMeter({"kafka": running["kafka"].pid, "s3": running["s3"].pid})
+            rate = asyncio.run(sink_rate(kafka_cfg, store, run_id, args.n, args.sink_inflight, meter))
             print(f"sink: {rate:.0f} rollouts/s")
-            ours, tables, raw = replay_rates(store, run_id, args.rounds)
-            for o, t, r in zip(ours, tables, raw):
+            rates, cpu, parts = replay_rates(store, run_id, args.rounds, meter=meter)
+            for o, t, r in zip(rates["iter"], rates["iter_tables"], rates["raw"]):
                 print(f"replay round: LakeReader.iter {o:.0f} rollouts/s, .iter_tables {t:.0f} rollouts/s, raw boto3 GET {r:.0f} rollouts/s")
-            o, t, r = statistics.median(ours), statistics.median(tables), statistics.median(raw)
+            for name, line in cpu.items():
+                print(f"replay CPU per part ({parts} parts, last round, ms) {name}: {line}")
+            o, t, r = (statistics.median(rates[k]) for k in ("iter", "iter_tables", "raw"))
             print(f"FIGURE sink_rollouts_per_s {rate:.0f} per_s")
             print(f"FIGURE sink_vs_demo_ratio {rate / args.demo_rate:.2f} x")
             print(f"FIGURE replay_rollouts_per_s {o:.0f} per_s")

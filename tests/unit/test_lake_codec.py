@@ -68,9 +68,10 @@ def test_columns_are_typed():
 def test_token_lists_are_required_and_older_nullable_parts_still_read():
     rows = [scored(i) for i in range(3)]
     table = pq.read_table(io.BytesIO(parquet_bytes(rows)))
-    for name in ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "loss_mask"):
+    for name in ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs"):
         field = table.schema.field(name)
         assert not field.nullable and not field.type.value_field.nullable, name
+    assert table.schema.field("loss_mask").type == pa.binary() and not table.schema.field("loss_mask").nullable
     # A part written before the lists were required (nullable list<item>) decodes to the same rows.
     legacy = pa.schema([pa.field(f.name, pa.list_(f.type.value_type)) if pa.types.is_list(f.type) else f for f in SCHEMA])
     buf = io.BytesIO()
@@ -87,3 +88,17 @@ def test_same_rows_same_bytes_and_name():
     assert part_key("r", 3, ids) == part_key("r", 3, list(reversed(ids)))
     assert part_key("r", 3, ids) != part_key("r", 3, ids[:3])
     assert part_key("r", 3, ids).startswith("runs/r/lake/policy_version=3/part-")
+
+
+def test_parts_with_the_loss_mask_as_a_uint8_list_still_read():
+    rows = [scored(i) for i in range(5)] + [scored(7, n=0)]
+    table = pq.read_table(io.BytesIO(parquet_bytes(rows)))
+    masks = pa.array([list(bytes(r.rollout.loss_mask)) for r in rows], pa.list_(pa.uint8()))
+    i = table.schema.get_field_index("loss_mask")
+    buf = io.BytesIO()
+    pq.write_table(table.set_column(i, pa.field("loss_mask", pa.list_(pa.uint8())), masks), buf)
+    old = pq.read_table(io.BytesIO(buf.getvalue()))
+    assert pa.types.is_list(old.schema.field("loss_mask").type)
+    assert rows_from_table(old) == rows
+    assert rows_from_table(old.slice(2, 3)) == rows[2:5]  # views honour a sliced table's offsets
+    assert rows_from_table(table.slice(2, 3)) == rows[2:5]
