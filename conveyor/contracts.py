@@ -95,7 +95,12 @@ def uint8_array(values: Any) -> memoryview:
 
 
 class Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="t"):
-    """Base of every wire message: schema version and creation time."""
+    """Base of every wire message: schema version and creation time.
+
+    Contract structs are ``gc=False``: plain data that never forms a reference
+    cycle, so the garbage collector need not track them (a sink or replay
+    holding thousands decoded them 3x slower when it did; docs/BENCHMARKS.md).
+    Do not put a message inside its own fields' containers."""
 
     schema_version: int = SCHEMA_VERSION
     created_at: float = msgspec.field(default_factory=time.time)  # unix seconds

@@ -6,7 +6,7 @@ version, named by its contents, put-if-absent, then its manifest entry).
 Offsets are committed only after the object store confirmed every write of
 the flush. Up to ``max_inflight`` flushes (default 2) are written in
 background threads while the next batch is read: encoding one part overlaps
-the S3 server storing the previous one (1.2-1.4x the rate of one at a time,
+the S3 server storing the previous one (1.2-1.5x the rate of one at a time,
 docs/BENCHMARKS.md); their commits stay in order. While the object store is down the sink retries the same flush
 with exponential backoff and does not poll (so it holds its position and
 its memory stays bounded); when the store is back the flush lands and the
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import deque
 import random
 import signal
 import time
+from collections import deque
 
 import structlog
 
