@@ -37,6 +37,13 @@ def test_every_rollout_was_scored_and_stored_exactly_once(demo):
     assert len(ids) == len(set(ids)) == demo.published_rollouts == demo.lake_rows
 
 
+def test_nothing_stays_frozen_after_the_run(demo):
+    import gc
+
+    # The demo freezes its long-lived objects for the RL phase and must hand them back.
+    assert gc.get_freeze_count() == 0
+
+
 def test_weights_advanced_and_the_worker_swapped(demo):
     import json
 
