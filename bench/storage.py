@@ -12,7 +12,7 @@
    Parquet decode + filter/dedupe), against raw boto3 GETs of the same
    objects with the same concurrency (bytes only, nothing decoded).
 3. CPU accounting: for each stage, CPU time of this process ("client"), of
-   the broker and of the S3 server (from /proc) per rollout or per part.
+   the broker and of the S3 server (psutil) per rollout or per part.
    On a 2-core machine running all three, the ratios are CPU ratios.
 
     python bench/storage.py [--n 4000] [--tokens 2048] [--rounds 3] [--demo-rate 650] [--sink-inflight 2]
@@ -30,7 +30,6 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import asyncio
-import os
 import statistics
 import tempfile
 import time
@@ -38,21 +37,16 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (the stack's brokers), from /proc."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class CpuMeter:
     """CPU seconds spent by this process and each named server process between two reads."""
 
     def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
+        import psutil
+
+        self.procs = {"client": psutil.Process()} | {name: psutil.Process(pid) for name, pid in pids.items()}
 
     def read(self) -> dict[str, float]:
-        t = os.times()
-        return {"client": t.user + t.system} | {name: proc_cpu_s(pid) for name, pid in self.pids.items()}
+        return {name: (lambda t: t.user + t.system)(p.cpu_times()) for name, p in self.procs.items()}
 
     @staticmethod
     def per(a: dict[str, float], b: dict[str, float], n: int, unit: float = 1e3) -> str:

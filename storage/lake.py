@@ -112,19 +112,19 @@ def manifest_key(part: str) -> str:
     return f"{run_prefix}/lake/_manifest/{rest.rsplit('/', 1)[-1].removesuffix('.parquet')}.json"
 
 
-def _list_array(views: list[memoryview], dtype, arrow_type: pa.DataType) -> pa.ListArray:
-    lengths = np.fromiter((len(v) for v in views), dtype=np.int32, count=len(views))
+def _offsets(views: list[memoryview]) -> np.ndarray:
     offsets = np.zeros(len(views) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
+    np.cumsum(np.fromiter((len(v) for v in views), dtype=np.int32, count=len(views)), out=offsets[1:])
+    return offsets
+
+
+def _list_array(views: list[memoryview], dtype, arrow_type: pa.DataType) -> pa.ListArray:
     values = np.frombuffer(b"".join(views), dtype=dtype) if views else np.zeros(0, dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=arrow_type), type=_required_list(arrow_type))
+    return pa.ListArray.from_arrays(pa.array(_offsets(views)), pa.array(values, type=arrow_type), type=_required_list(arrow_type))
 
 
 def _binary_array(views: list[memoryview]) -> pa.BinaryArray:
-    lengths = np.fromiter((len(v) for v in views), dtype=np.int32, count=len(views))
-    offsets = np.zeros(len(views) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.Array.from_buffers(pa.binary(), len(views), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(views))])
+    return pa.Array.from_buffers(pa.binary(), len(views), [None, pa.py_buffer(_offsets(views)), pa.py_buffer(b"".join(views))])
 
 
 def table_from_rows(rows: Sequence[ScoredRollout]) -> pa.Table:
