@@ -47,6 +47,23 @@ def stack(tmp_path_factory):
     st.down(grace_s=3)
 
 
+@pytest.fixture(autouse=True)
+def stack_serving_after_chaos(request):
+    """After a chaos test that used the session stack, restart any of its servers that does not answer.
+
+    A chaos test that fails between a kill and its restart would otherwise
+    leave the broker or S3 down for every test after it, and one failure
+    would read as twenty.
+    """
+    yield
+    if request.node.get_closest_marker("chaos") is None or "stack" not in request.fixturenames:
+        return
+    stack = request.getfixturevalue("stack")
+    restarted = [name for name in stack.read_state() if stack.ensure_healthy(name)]
+    if restarted:
+        print(f"restarted after {request.node.name}: {', '.join(restarted)}")
+
+
 @pytest.fixture
 def kafka_cfg(stack):
     from conveyor.config import KafkaTransportConfig

@@ -188,6 +188,10 @@ def s3_component(ports: StackPorts, data_dir: Path) -> Component:
             # Volumes are sparse files that grow on demand, so many are cheap.
             "-volume.max=64",
             "-master.volumeSizeLimitMB=256",
+            # One master, no peers to wait for: on a restart with its raft state
+            # resumed it otherwise waits the default 10 s election timeout (and
+            # ~15 s in all) before it leads and the filer and S3 gateway start.
+            "-master.electionTimeout=1s",
         ],
         ports=[
             ports.s3,

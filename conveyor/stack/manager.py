@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -55,6 +56,10 @@ class HealthCheckFailed(StackError):
     exit_code = 13
 
 
+class ExitedDuringStartup(HealthCheckFailed):
+    """The process died before it answered its health check."""
+
+
 class NotRunning(StackError):
     exit_code = 14
 
@@ -62,6 +67,7 @@ class NotRunning(StackError):
 __all__ = [
     "AlreadyRunning",
     "BinaryMissing",
+    "ExitedDuringStartup",
     "HealthCheckFailed",
     "NotRunning",
     "PortInUse",
@@ -69,6 +75,7 @@ __all__ = [
     "StackError",
     "StackPorts",
     "default_state_dir",
+    "ephemeral_port_range",
     "free_port_block",
 ]
 
@@ -87,10 +94,31 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port_block(n: int = 10, start: int = 30000, stop: int = 60000) -> int:
-    """The first port of ``n`` consecutive free loopback ports."""
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; else its default)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_block(n: int = 10, start: int = 20000, stop: int = 32000) -> int:
+    """The first port of ``n`` consecutive free loopback ports, outside the ephemeral range.
+
+    A server port inside the range the kernel draws outgoing connections'
+    local ports from can be taken while its server is down: a client that
+    keeps reconnecting to 127.0.0.1:P gets P as its own local port once in a
+    few ten thousand attempts, connects to itself (TCP simultaneous open), and
+    the restarted server cannot bind P. So the block is drawn from
+    ``[start, stop)`` less that range.
+    """
+    low, high = ephemeral_port_range()
+    candidates = [b for b in range(start, stop - n) if b + n <= low or b > high]
+    if not candidates:
+        raise RuntimeError(f"no room for {n} ports in [{start}, {stop}) outside the ephemeral range {low}-{high}")
     for _ in range(200):
-        base = random.randrange(start, stop - n)
+        base = random.choice(candidates)
         ok = True
         for p in range(base, base + n):
             with socket.socket() as s:
@@ -180,6 +208,7 @@ class Stack:
     def __init__(self, state_dir: Path | str | None = None, ports: StackPorts | None = None) -> None:
         self.state_dir = Path(state_dir).resolve() if state_dir else default_state_dir()
         self.ports = ports or StackPorts()
+        self.restart_failures: list[str] = []  # what each start-up crash in ``restart`` printed
 
     @property
     def state_file(self) -> Path:
@@ -261,7 +290,7 @@ class Stack:
         last_error = "no attempt"
         while time.monotonic() < deadline:
             if not pid_alive(comp.pid):
-                raise HealthCheckFailed(
+                raise ExitedDuringStartup(
                     f"{comp.name} exited during start-up; last lines of {comp.log}:\n{_tail(comp.log)}"
                 )
             try:
@@ -325,8 +354,14 @@ class Stack:
             _reap()
             time.sleep(0.05)
 
-    def restart(self, name: str, timeout_s: float = 60.0) -> RunningComponent:
-        """Start one component again on the same ports (after ``kill``)."""
+    def restart(self, name: str, timeout_s: float = 60.0, attempts: int = 3) -> RunningComponent:
+        """Start one component again on the same ports (after ``kill``).
+
+        A process that dies during start-up is started again, up to
+        ``attempts`` times within ``timeout_s``, as a service manager would
+        (a server killed mid-write can fail its first start on what it left);
+        each crash is kept in ``restart_failures`` with the end of its log.
+        """
         running = self.read_state()
         comp = running[name]
         if pid_alive(comp.pid):
@@ -335,10 +370,37 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(not port_free(p) for p in spec.ports):
             time.sleep(0.2)
-        running[name] = self._spawn(spec)
-        self._write_state(running)
-        self._wait_healthy(running[name], time.monotonic() + timeout_s)
-        return running[name]
+        busy = [p for p in spec.ports if not port_free(p)]
+        if busy:
+            raise PortInUse(f"cannot restart {name}: port(s) {', '.join(map(str, busy))} still in use after {timeout_s:.0f} s")
+        for attempt in range(1, attempts + 1):
+            running[name] = self._spawn(spec)
+            self._write_state(running)
+            try:
+                self._wait_healthy(running[name], deadline)
+                return running[name]
+            except ExitedDuringStartup as exc:
+                self.restart_failures.append(str(exc))
+                if attempt == attempts or time.monotonic() >= deadline:
+                    raise
+        raise AssertionError("unreachable")
+
+    def ensure_healthy(self, name: str, timeout_s: float = 90.0) -> bool:
+        """Restart ``name`` unless it answers its health check; True when it had to.
+
+        For test fixtures: one failed chaos test must not leave the shared
+        stack down for every test after it.
+        """
+        comp = self.read_state()[name]
+        if pid_alive(comp.pid):
+            try:
+                HEALTH_CHECKS[name](comp.endpoint, timeout_s=5.0)
+                return False
+            except Exception:  # noqa: BLE001 - any failure means restart it
+                pass
+        self.kill(name)
+        self.restart(name, timeout_s)
+        return True
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
@@ -362,11 +424,22 @@ def _reap() -> None:
         return
 
 
+_CRASH_MARKERS = re.compile(r"^(panic: |fatal error: |F\d{4} )")
+
+
 def _tail(path: str, lines: int = 20) -> str:
+    """The last lines of a log, led by the line that says why a Go server died.
+
+    A Go crash ends with a goroutine dump that pushes its reason (``panic:``,
+    ``fatal error:``, a glog ``F`` line) far above the last lines.
+    """
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 8192))
-            return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
+            fh.seek(max(0, fh.tell() - 256 * 1024))
+            text = fh.read().decode(errors="replace").splitlines()
     except OSError:
         return "<no log>"
+    last = text[-lines:]
+    reasons = [line for line in text[:-lines] if _CRASH_MARKERS.match(line)]
+    return "\n".join([*reasons[-3:], "...", *last] if reasons else last)
