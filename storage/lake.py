@@ -306,7 +306,8 @@ def write_parts(store: ObjectStore, run_id: str, rows: Sequence[ScoredRollout]) 
         group.sort(key=lambda r: r.rollout_id)
         key = part_key(run_id, version, [r.rollout_id for r in group])
         data = parquet_bytes(group)
-        store.put_if_absent(key, data)
+        digest = sha256_hex(data)
+        store.put_if_absent(key, data, sha256=digest)
         verdicts: dict[str, int] = {}
         for r in group:
             verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
@@ -314,7 +315,7 @@ def write_parts(store: ObjectStore, run_id: str, rows: Sequence[ScoredRollout]) 
             key=key,
             rows=len(group),
             size=len(data),
-            sha256=sha256_hex(data),
+            sha256=digest,
             policy_version_min=version,
             policy_version_max=max(max((s.policy_version for s in r.rollout.version_segments), default=0) for r in group),
             reward_min=min(r.reward for r in group),

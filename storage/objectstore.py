@@ -76,7 +76,7 @@ def _verify(key: str, data: bytes, expected: str | None) -> bytes:
 class ObjectStore(Protocol):
     def uri(self, key: str) -> str: ...
     def put(self, key: str, data: bytes) -> ObjectInfo: ...
-    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+    def put_if_absent(self, key: str, data: bytes, *, sha256: str | None = None) -> bool: ...
     def put_file(self, key: str, path: str | Path) -> ObjectInfo: ...
     def get(self, key: str, *, sha256: str | None = None) -> bytes: ...
     def get_file(self, key: str, path: str | Path) -> ObjectInfo: ...
@@ -141,7 +141,8 @@ class LocalObjectStore:
         os.replace(tmp, path)
         return ObjectInfo(key, size, sha)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, sha256: str | None = None) -> bool:
+        # The digest is computed while the bytes are written anyway; a caller's is not needed.
         path = self._path(key)
         tmp, _, sha = self._write_temp(path, iter([data]))
         try:
@@ -315,7 +316,9 @@ class S3ObjectStore:
             self._call(self._client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={"sha256": sha})
         return ObjectInfo(key, len(data), sha)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, sha256: str | None = None) -> bool:
+        """``sha256``: the caller's hex digest of ``data`` when it has one (the lake's writer
+        does, for its manifest), so a large part is not hashed twice; stored as given."""
         from botocore.exceptions import ClientError
 
         try:
@@ -324,7 +327,7 @@ class S3ObjectStore:
                 Bucket=self.bucket,
                 Key=self._key(key),
                 Body=data,
-                Metadata={"sha256": sha256_hex(data)},
+                Metadata={"sha256": sha256 or sha256_hex(data)},
                 IfNoneMatch="*",
             )
         except ClientError as exc:

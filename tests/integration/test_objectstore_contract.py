@@ -50,6 +50,13 @@ def test_put_if_absent_refuses_overwrite(store):
     assert store.get("once") == b"first"
 
 
+def test_put_if_absent_keeps_the_callers_digest_and_reads_verify_it(store):
+    data = os.urandom(1 << 20)
+    assert store.put_if_absent("digested", data, sha256=sha256_hex(data)) is True
+    assert store.head("digested").sha256 == sha256_hex(data)
+    assert store.get("digested") == data
+
+
 def test_put_if_absent_has_one_winner_under_a_race(store):
     key = f"race-{uuid.uuid4().hex[:6]}"
     with ThreadPoolExecutor(8) as pool:

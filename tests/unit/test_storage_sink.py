@@ -31,7 +31,7 @@ class GatedStore(LocalObjectStore):
         self._lock = threading.Lock()
         self._in_flight = 0
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, sha256: str | None = None) -> bool:
         with self._lock:
             n = self.started
             self.started += 1
@@ -41,7 +41,7 @@ class GatedStore(LocalObjectStore):
         if gate is not None:
             assert gate.wait(10), f"part {n} was never released"
         try:
-            return super().put_if_absent(key, data)
+            return super().put_if_absent(key, data, sha256=sha256)
         finally:
             with self._lock:
                 self._in_flight -= 1
