@@ -36,9 +36,18 @@ def up(
 ) -> None:
     """Start the components and wait until each answers a real request."""
     from conveyor.stack.components import BinaryMissing, LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
-    from conveyor.stack.manager import StackError
+    from conveyor.stack.manager import StackError, ephemeral_port_range
 
     stack = _stack(state_dir, base_port)
+    low, high = ephemeral_port_range()
+    if base_port and base_port <= high and base_port + 9 >= low:
+        typer.secho(
+            f"warning: ports {base_port}-{base_port + 9} are in this machine's ephemeral range {low}-{high}: "
+            "while a component is down, an outgoing connection can take its port and its restart fails; "
+            f"a base port below {low - 10} avoids that",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
     try:
         running = stack.up([c.strip() for c in only.split(",") if c.strip()], timeout_s=timeout)
     except (StackError, BinaryMissing) as exc:

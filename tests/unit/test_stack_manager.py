@@ -99,3 +99,16 @@ def test_ensure_healthy_restarts_only_what_is_down(tmp_path, monkeypatch):
         assert st.ensure_healthy("flaky") is False
     finally:
         st.down(grace_s=1)
+
+
+def test_stack_up_warns_about_ports_in_the_ephemeral_range(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from conveyor.cli.stack import app
+
+    monkeypatch.setattr(manager, "ephemeral_port_range", lambda: (32768, 60999))
+    args = ["up", "--state-dir", str(tmp_path), "--only", "nothing"]  # refused before anything starts
+    inside = CliRunner().invoke(app, [*args, "--base-port", "40000"])
+    assert "ports 40000-40009 are in this machine's ephemeral range 32768-60999" in inside.output
+    below = CliRunner().invoke(app, [*args, "--base-port", "20000"])
+    assert "ephemeral" not in below.output and "unknown component(s) nothing" in below.output
