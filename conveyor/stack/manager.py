@@ -108,11 +108,12 @@ def free_port_block(n: int = 10, start: int = 20000, stop: int = 32000) -> int:
     """The first port of ``n`` consecutive free loopback ports, outside the ephemeral range.
 
     A server port inside the range the kernel draws outgoing connections'
-    local ports from can be taken while its server is down: a client that
-    keeps reconnecting to 127.0.0.1:P gets P as its own local port once in a
-    few ten thousand attempts, connects to itself (TCP simultaneous open), and
-    the restarted server cannot bind P. So the block is drawn from
-    ``[start, stop)`` less that range.
+    local ports from can be taken while its server is down: any outgoing
+    connection on the machine may get P as its local port, and a client that
+    keeps reconnecting to 127.0.0.1:P gets it once in a few ten thousand
+    attempts and connects to itself (TCP simultaneous open); the restarted
+    server then cannot bind P. So the block is drawn from ``[start, stop)``
+    less that range.
     """
     low, high = ephemeral_port_range()
     candidates = [b for b in range(start, stop - n) if b + n <= low or b > high]
