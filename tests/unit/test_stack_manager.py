@@ -58,48 +58,47 @@ def _flaky_component(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     return crash, up
 
 
-def test_restart_starts_again_after_a_crash_during_startup(tmp_path, monkeypatch):
+@pytest.fixture
+def flaky(tmp_path, monkeypatch):
+    """A running stack of the flaky component; ``kill(crash_next=...)`` kills it for a restart."""
     crash, up = _flaky_component(tmp_path, monkeypatch)
     st = Stack(tmp_path / "stack")
     st.up(["flaky"], timeout_s=30)
-    try:
-        first = st.read_state()["flaky"].pid
+
+    def kill(crash_next: bool) -> None:
         st.kill("flaky")
         up.unlink()
-        crash.write_text("x")
-        comp = st.restart("flaky", timeout_s=30)
-        assert comp.pid != first and manager.pid_alive(comp.pid)
-        assert len(st.restart_failures) == 1 and "panic: left half a write" in st.restart_failures[0]
+        if crash_next:
+            crash.write_text("x")
+
+    try:
+        yield st, kill
     finally:
         st.down(grace_s=1)
 
 
-def test_restart_gives_up_after_its_attempts(tmp_path, monkeypatch):
-    crash, up = _flaky_component(tmp_path, monkeypatch)
-    st = Stack(tmp_path / "stack")
-    st.up(["flaky"], timeout_s=30)
-    try:
-        st.kill("flaky")
-        up.unlink()
-        crash.write_text("x")
-        with pytest.raises(ExitedDuringStartup, match="panic: left half a write"):
-            st.restart("flaky", timeout_s=30, attempts=1)
-    finally:
-        st.down(grace_s=1)
+def test_restart_starts_again_after_a_crash_during_startup(flaky):
+    st, kill = flaky
+    first = st.read_state()["flaky"].pid
+    kill(crash_next=True)
+    comp = st.restart("flaky", timeout_s=30)
+    assert comp.pid != first and manager.pid_alive(comp.pid)
+    assert len(st.restart_failures) == 1 and "panic: left half a write" in st.restart_failures[0]
 
 
-def test_ensure_healthy_restarts_only_what_is_down(tmp_path, monkeypatch):
-    _crash, up = _flaky_component(tmp_path, monkeypatch)
-    st = Stack(tmp_path / "stack")
-    st.up(["flaky"], timeout_s=30)
-    try:
-        assert st.ensure_healthy("flaky") is False
-        st.kill("flaky")
-        up.unlink()
-        assert st.ensure_healthy("flaky", timeout_s=30) is True
-        assert st.ensure_healthy("flaky") is False
-    finally:
-        st.down(grace_s=1)
+def test_restart_gives_up_after_its_attempts(flaky):
+    st, kill = flaky
+    kill(crash_next=True)
+    with pytest.raises(ExitedDuringStartup, match="panic: left half a write"):
+        st.restart("flaky", timeout_s=30, attempts=1)
+
+
+def test_ensure_healthy_restarts_only_what_is_down(flaky):
+    st, kill = flaky
+    assert st.ensure_healthy("flaky") is False
+    kill(crash_next=False)
+    assert st.ensure_healthy("flaky", timeout_s=30) is True
+    assert st.ensure_healthy("flaky") is False
 
 
 def test_stack_up_warns_about_ports_in_the_ephemeral_range(tmp_path, monkeypatch):
