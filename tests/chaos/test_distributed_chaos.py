@@ -26,11 +26,12 @@ ROLES = ["producer", "rollout-worker-0", "reward-bridge", "reward-worker-0", "le
 TASKS, GROUP = 120, 4
 
 
-def read_topic(kafka_cfg, topic: str, typ):
+def read_topics(kafka_cfg, wanted: dict[str, tuple[str, type]]) -> dict[str, list]:
+    """Every decodable record of each topic (``{name: (topic, type)}``), read at once:
+    each read waits for its group to join and for 2.5 quiet seconds."""
     from conveyor.transport.kafka import KafkaTransport
 
-    async def go():
-        t = KafkaTransport(kafka_cfg)
+    async def one(t, topic: str, typ) -> list:
         c = t.consumer([topic], f"check-{uuid.uuid4().hex[:8]}")
         await c.start()
         out, quiet = [], 0
@@ -43,8 +44,15 @@ def read_topic(kafka_cfg, topic: str, typ):
                 except Exception:  # noqa: BLE001 - the injected garbage
                     pass
         await c.close()
-        await t.close()
         return out
+
+    async def go() -> dict[str, list]:
+        t = KafkaTransport(kafka_cfg)
+        try:
+            got = await asyncio.gather(*(one(t, topic, typ) for topic, typ in wanted.values()))
+        finally:
+            await t.close()
+        return dict(zip(wanted, got))
 
     return asyncio.run(go())
 
@@ -110,6 +118,7 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     kills: Counter[str] = Counter()
     start = time.monotonic()
     outage_done = False
+    phases: dict[str, float] = {}
     try:
         time.sleep(15)  # every role up (model loads, group joins)
         injected = inject_garbage(kafka_cfg, topics)
@@ -134,6 +143,7 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
                 time.sleep(0.5)
             if sum(kills.values()) >= 20 and all(kills[r] >= 2 or sup.roles[r].done for r in ROLES) and sup.roles["producer"].done:
                 break
+        phases["kills"] = time.monotonic() - start
         # Let the pipeline finish what the producer published, then drain front to back.
         deadline = time.monotonic() + 240
         last, stable = None, 0
@@ -143,13 +153,19 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
             lake = LakeReader(S3ObjectStore(s3_cfg.model_copy(update={"prefix": prefix})), run_id).stats()["rows"]
             stable = stable + 1 if lake == last else 0
             last = lake
+        phases["drain"] = time.monotonic() - start - phases["kills"]
     finally:
+        stopping = time.monotonic()
         codes = sup.stop(grace_s=90)
+        phases["stop"] = time.monotonic() - stopping
     restarts = {n: r.restarts for n, r in sup.roles.items()}
 
-    tasks = {t.task_id for t in read_topic(kafka_cfg, topics.tasks, Task)}
-    rollouts = read_topic(kafka_cfg, topics.rollouts, Rollout)
-    scored = {s.rollout_id for s in read_topic(kafka_cfg, topics.scored, ScoredRollout)}
+    stopped_at = time.monotonic()
+    read = read_topics(kafka_cfg, {"tasks": (topics.tasks, Task), "rollouts": (topics.rollouts, Rollout),
+                                   "scored": (topics.scored, ScoredRollout), "dead": (topics.dead_letter, DeadLetter)})  # fmt: skip
+    tasks = {t.task_id for t in read["tasks"]}
+    rollouts = read["rollouts"]
+    scored = {s.rollout_id for s in read["scored"]}
     store = S3ObjectStore(s3_cfg.model_copy(update={"prefix": prefix}))
     lake = [s.rollout_id for s in LakeReader(store, run_id).iter()]
     rolled_tasks = Counter()
@@ -162,11 +178,13 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     lost = len(not_rolled) + len(not_scored) + len(not_in_lake)
     ledger = Counter(load_latest(store, run_id)["trained_log"])
     double = sum(1 for n in ledger.values() if n > 1)
-    letters = read_topic(kafka_cfg, topics.dead_letter, DeadLetter)
+    letters = read["dead"]
     dead_lettered = {d.source_topic for d in letters if d.key == b"chaos"}
     oversized = [d for d in letters if d.key == b"chaos-oversized"]
+    phases["checks"] = time.monotonic() - stopped_at
     print(json.dumps({"kills": dict(kills), "restarts": restarts, "exit_codes": codes, "tasks": len(tasks), "rollouts": len(rollout_ids),
-                      "scored": len(scored), "lake": len(lake), "trained": len(ledger)}))  # fmt: skip
+                      "scored": len(scored), "lake": len(lake), "trained": len(ledger),
+                      "phases_s": {k: round(v, 1) for k, v in phases.items()}}))  # fmt: skip
     print(f"FIGURE chaos_kills {sum(kills.values())} count")
     print(f"FIGURE chaos_lost {lost} count")
     print(f"FIGURE chaos_double_trained {double} count")
