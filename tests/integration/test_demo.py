@@ -64,6 +64,7 @@ def test_reward_rises(demo):
     rows = [json.loads(line) for line in (demo.run_dir / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["reward_mean"] for r in rows[:15]) / 15
     last = sum(r["reward_mean"] for r in rows[-15:]) / 15
+    print(f"reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.05, f"reward did not rise: {first:.3f} -> {last:.3f}"
 
 
