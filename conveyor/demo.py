@@ -209,11 +209,43 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         ):
             if event is not None:
                 event.set()
-            done = await asyncio.gather(*(asyncio.wait_for(services[n], 120) for n in names), return_exceptions=True)
-            for name, outcome in zip(names, done):
-                if isinstance(outcome, BaseException):
-                    raise RuntimeError(f"service {name} failed during shutdown") from outcome
+            await _stopped(services, names, SHUTDOWN_TIMEOUT_S)
     ctx["rl_time_s"] = time.monotonic() - started
+
+
+SHUTDOWN_TIMEOUT_S = 120.0
+
+
+async def _stopped(services: dict[str, asyncio.Task], names: tuple[str, ...], timeout_s: float) -> None:
+    """Wait for ``names`` to finish draining; a failure, or a service still running after
+    ``timeout_s``, raises. A stuck service is reported with where every task and thread
+    waits (the asyncio stacks cannot be read once it is cancelled), then cancelled."""
+    tasks = [services[n] for n in names]
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    if pending:
+        import faulthandler
+        import io
+        import tempfile
+
+        stuck = [n for n in names if services[n] in pending]
+        where = io.StringIO()
+        for task in asyncio.all_tasks():
+            if not task.done():
+                task.print_stack(file=where)
+        with tempfile.TemporaryFile("w+") as fh:  # faulthandler writes to a file descriptor
+            faulthandler.dump_traceback(fh, all_threads=True)
+            fh.seek(0)
+            threads = fh.read()
+        log.error("demo.shutdown_stuck", services=stuck, timeout_s=timeout_s)
+        print(f"asyncio tasks:\n{where.getvalue()}\nthreads:\n{threads}", file=sys.stderr)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise RuntimeError(f"service(s) {', '.join(stuck)} still running {timeout_s:g} s after being told to stop; "
+                           "where every task and thread waited is on stderr")  # fmt: skip
+    for name, task in zip(names, tasks):
+        if task.exception() is not None:
+            raise RuntimeError(f"service {name} failed during shutdown") from task.exception()
 
 
 async def _evaluate(ctx: dict, learner, started: float) -> dict:
