@@ -36,11 +36,11 @@ def up(
 ) -> None:
     """Start the components and wait until each answers a real request."""
     from conveyor.stack.components import BinaryMissing, LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
-    from conveyor.stack.manager import StackError, ephemeral_port_range
+    from conveyor.stack.manager import StackError, ephemeral_port_range, in_ephemeral_range
 
     stack = _stack(state_dir, base_port)
     low, high = ephemeral_port_range()
-    if base_port and base_port <= high and base_port + 9 >= low:
+    if base_port and in_ephemeral_range(base_port, 10, (low, high)):
         typer.secho(
             f"warning: ports {base_port}-{base_port + 9} are in this machine's ephemeral range {low}-{high}: "
             "while a component is down, an outgoing connection can take its port and its restart fails; "

@@ -78,6 +78,7 @@ __all__ = [
     "default_state_dir",
     "ephemeral_port_range",
     "free_port_block",
+    "in_ephemeral_range",
 ]
 
 
@@ -104,6 +105,12 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+def in_ephemeral_range(base: int, n: int, port_range: tuple[int, int] | None = None) -> bool:
+    """Whether any of ports ``base .. base+n-1`` lies in the ephemeral range."""
+    low, high = port_range or ephemeral_port_range()
+    return base <= high and base + n - 1 >= low
+
+
 def free_port_block(n: int = 10, start: int = 20000, stop: int = 32000) -> int:
     """The first port of ``n`` consecutive free loopback ports, outside the ephemeral range.
 
@@ -116,7 +123,7 @@ def free_port_block(n: int = 10, start: int = 20000, stop: int = 32000) -> int:
     less that range.
     """
     low, high = ephemeral_port_range()
-    candidates = [b for b in range(start, stop - n) if b + n <= low or b > high]
+    candidates = [b for b in range(start, stop - n) if not in_ephemeral_range(b, n, (low, high))]
     if not candidates:  # a machine whose ephemeral range covers nearly everything: better than no stack
         warnings.warn(f"no room for {n} ports in [{start}, {stop}) outside the ephemeral range {low}-{high}; "
                       "a component restarted after a kill may find its port taken", stacklevel=2)  # fmt: skip
@@ -313,15 +320,9 @@ class Stack:
         out: dict[str, dict[str, object]] = {}
         for name, comp in self.read_state().items():
             alive = pid_alive(comp.pid)
-            healthy = False
-            error = None
-            if alive:
-                try:
-                    HEALTH_CHECKS[name](comp.endpoint, timeout_s=2.0)
-                    healthy = True
-                except Exception as exc:  # noqa: BLE001
-                    error = f"{type(exc).__name__}: {exc}"
-            out[name] = {"pid": comp.pid, "alive": alive, "healthy": healthy, "endpoint": comp.endpoint, "error": error}
+            error = _health_error(comp, timeout_s=2.0) if alive else "not running"
+            out[name] = {"pid": comp.pid, "alive": alive, "healthy": error is None, "endpoint": comp.endpoint,
+                         "error": error if alive else None}  # fmt: skip
         return out
 
     # -- down
@@ -396,15 +397,20 @@ class Stack:
         stack down for every test after it.
         """
         comp = self.read_state()[name]
-        if pid_alive(comp.pid):
-            try:
-                HEALTH_CHECKS[name](comp.endpoint, timeout_s=5.0)
-                return False
-            except Exception:  # noqa: BLE001 - any failure means restart it
-                pass
+        if pid_alive(comp.pid) and _health_error(comp, timeout_s=5.0) is None:
+            return False
         self.kill(name)
         self.restart(name, timeout_s)
         return True
+
+
+def _health_error(comp: RunningComponent, timeout_s: float) -> str | None:
+    """None when ``comp`` answers its protocol's health check, else why not."""
+    try:
+        HEALTH_CHECKS[comp.name](comp.endpoint, timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not healthy"
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

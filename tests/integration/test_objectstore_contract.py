@@ -50,9 +50,12 @@ def test_put_if_absent_refuses_overwrite(store):
     assert store.get("once") == b"first"
 
 
-def test_put_if_absent_keeps_the_callers_digest_and_reads_verify_it(store):
+def test_put_if_absent_keeps_the_callers_digest_and_reads_verify_it(store, monkeypatch):
     data = os.urandom(1 << 20)
-    assert store.put_if_absent("digested", data, sha256=sha256_hex(data)) is True
+    digest = sha256_hex(data)
+    with monkeypatch.context() as m:  # the caller's digest is used, not computed again
+        m.setattr("storage.objectstore.sha256_hex", lambda _: pytest.fail("put_if_absent hashed the data again"))
+        assert store.put_if_absent("digested", data, sha256=digest) is True
     assert store.head("digested").sha256 == sha256_hex(data)
     assert store.get("digested") == data
 
