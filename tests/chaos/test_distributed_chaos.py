@@ -1,6 +1,7 @@
 """A distributed run on the local stack, every role its own process, under fire:
 kill -9 of a random role at random moments (at least 20 kills, every role at
-least twice, the supervisor restarting each), S3 stopped for 30 s mid-run,
+least twice, the supervisor restarting each), S3 stopped for 30 s mid-run
+while the kills go on,
 and malformed records injected on every topic (and one oversized record). At the end: every task was
 rolled out, every rollout scored, every scored rollout is in the lake once,
 no rollout was trained on twice, and the malformed records are on the
@@ -117,7 +118,9 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     rng = random.Random(7)
     kills: Counter[str] = Counter()
     start = time.monotonic()
+    outage_started: float | None = None
     outage_done = False
+    kills_in_outage = 0
     phases: dict[str, float] = {}
     try:
         time.sleep(15)  # every role up (model loads, group joins)
@@ -131,18 +134,21 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
             if role is not None and sup.roles[role].pid:
                 os.killpg(sup.roles[role].pid, signal.SIGKILL)
                 kills[role] += 1
-            if not outage_done and sum(kills.values()) >= 8:
-                stack.kill("s3")
-                for _ in range(60):  # the outage: 30 s, roles keep being supervised
-                    sup.tick()
-                    time.sleep(0.5)
+            if outage_started is None and sum(kills.values()) >= 8:
+                stack.kill("s3")  # the outage: at least 30 s, and the kills go on during it
+                outage_started = time.monotonic()
+            elif not outage_done and outage_started is not None and time.monotonic() - outage_started >= 30:
+                phases["outage"] = time.monotonic() - outage_started
+                kills_in_outage = sum(kills.values()) - 8
                 stack.restart("s3", 60.0)
                 outage_done = True
             for _ in range(rng.randint(4, 10)):  # 2-5 s between kills
                 sup.tick()
                 time.sleep(0.5)
-            if sum(kills.values()) >= 20 and all(kills[r] >= 2 or sup.roles[r].done for r in ROLES) and sup.roles["producer"].done:
+            if outage_done and sum(kills.values()) >= 20 and all(kills[r] >= 2 or sup.roles[r].done for r in ROLES) and sup.roles["producer"].done:
                 break
+        if not outage_done:  # the loop ran out of time: S3 must serve the drain
+            stack.restart("s3", 60.0)
         phases["kills"] = time.monotonic() - start
         # Let the pipeline finish what the producer published, then drain front to back.
         deadline = time.monotonic() + 240
@@ -183,12 +189,13 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     oversized = [d for d in letters if d.key == b"chaos-oversized"]
     phases["checks"] = time.monotonic() - stopped_at
     print(json.dumps({"kills": dict(kills), "restarts": restarts, "exit_codes": codes, "tasks": len(tasks), "rollouts": len(rollout_ids),
-                      "scored": len(scored), "lake": len(lake), "trained": len(ledger),
+                      "scored": len(scored), "lake": len(lake), "trained": len(ledger), "kills_during_outage": kills_in_outage,
                       "phases_s": {k: round(v, 1) for k, v in phases.items()}}))  # fmt: skip
     print(f"FIGURE chaos_kills {sum(kills.values())} count")
     print(f"FIGURE chaos_lost {lost} count")
     print(f"FIGURE chaos_double_trained {double} count")
     assert sum(kills.values()) >= 20 and all(kills[r] >= 2 for r in ROLES), kills
+    assert outage_done and kills_in_outage > 0, (outage_done, kills_in_outage)
     assert len(tasks) == TASKS
     assert lost == 0, (not_rolled[:3], sorted(not_scored)[:3], sorted(not_in_lake)[:3])
     assert len(lake) == len(set(lake))
