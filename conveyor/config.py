@@ -114,6 +114,8 @@ class S3StoreConfig(_Section):
     multipart_chunk_bytes: int = Field(8 << 20, ge=5 << 20)
     create_bucket: bool = True
     """Create the bucket at start if it does not exist."""
+    connect_deadline_s: float = Field(60.0, gt=0)
+    """A service that starts while the endpoint does not answer waits (with backoff) this long for it, then fails."""
 
     @field_validator("prefix")
     @classmethod

@@ -420,3 +420,29 @@ def open_object_store(cfg: "LocalStoreConfig | S3StoreConfig") -> ObjectStore:
     if cfg.type == "s3":
         return S3ObjectStore(cfg)
     raise ValueError(f"unknown object store type {cfg.type!r}")
+
+
+async def wait_for_object_store(cfg: "LocalStoreConfig | S3StoreConfig", *, first_delay_s: float = 0.5,
+                                max_delay_s: float = 5.0) -> ObjectStore:  # fmt: skip
+    """``open_object_store`` for a service starting up: while the endpoint is unavailable, retry
+    with backoff until ``cfg.connect_deadline_s`` (S3; a local store opens at once), then raise
+    the last ``ObjectStoreUnavailable``. A service started during an S3 outage waits for it
+    instead of crash-looping (and a stop signal still ends the wait); any other error (bad
+    credentials, a bucket that cannot be created) fails at once."""
+    import asyncio
+
+    import structlog
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + getattr(cfg, "connect_deadline_s", 0.0)
+    delay, attempt = first_delay_s, 0
+    while True:
+        attempt += 1
+        try:
+            return await asyncio.to_thread(open_object_store, cfg)
+        except ObjectStoreUnavailable as exc:
+            if loop.time() + delay > deadline:
+                raise
+            structlog.get_logger(__name__).warning("object_store.waiting", attempt=attempt, retry_in_s=delay, error=str(exc)[:300])
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)

@@ -73,12 +73,12 @@ def _run_service(cfg, build, *, with_store: bool = True) -> None:
     service, run it until SIGTERM/SIGINT, and close the transport."""
     from conveyor.topics import Topics
     from conveyor.transport import open_transport
-    from storage.objectstore import open_object_store
+    from storage.objectstore import wait_for_object_store
 
     async def main(stop: asyncio.Event) -> None:
         transport = open_transport(cfg.transport)
         try:
-            store = await asyncio.to_thread(open_object_store, cfg.object_store) if with_store else None
+            store = await wait_for_object_store(cfg.object_store) if with_store else None
             await build(transport, Topics(cfg.run_id), store).run(stop)
         finally:
             await transport.close()
@@ -339,9 +339,9 @@ def producer(config: Path = CONFIG) -> None:
                 tasks = curriculum
             else:
                 tasks = suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks)
-            from storage.objectstore import open_object_store
+            from storage.objectstore import wait_for_object_store
 
-            store = await asyncio.to_thread(open_object_store, cfg.object_store)
+            store = await wait_for_object_store(cfg.object_store)
             prod = TaskProducer(transport, topics, tasks, learner_batch_samples=cfg.learner.batch_groups * pc.group_size,
                                 max_lag=cfg.learner.max_lag, store=store, curriculum=curriculum)  # fmt: skip
             jobs.append(asyncio.create_task(prod.run(stop)))

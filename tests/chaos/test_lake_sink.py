@@ -135,3 +135,52 @@ def test_sink_killed_between_write_and_commit_leaves_no_duplicate_at_read_time(s
     ids = lake_ids(store, run_id)
     assert len(ids) == len(set(ids)) == 150
     assert sorted(ids) == sorted(r.rollout_id for r in first + second)
+
+
+def test_sink_started_while_s3_is_down_waits_for_it(stack, kafka_cfg, s3_cfg, tmp_path):
+    """A service started during an S3 outage waits for the endpoint (``object_store.waiting``)
+    instead of exiting, and stores what was published once S3 is back."""
+    from conveyor.transport.kafka import KafkaTransport
+
+    run_id = f"late-s3-{uuid.uuid4().hex[:6]}"
+    prefix = f"{run_id}/"
+    cfg = {
+        "run_id": run_id,
+        "transport": kafka_cfg.model_dump(),
+        "object_store": {**s3_cfg.model_dump(mode="json"), "prefix": prefix, "max_attempts": 1, "connect_timeout_s": 1.0,
+                         "connect_deadline_s": 90, "secret_access_key": s3_cfg.secret_access_key.get_secret_value()},  # fmt: skip
+        "logging": {"level": "info", "format": "json"},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rows = make_rows(run_id, 0, 60)
+
+    async def pub():
+        transport = KafkaTransport(kafka_cfg)
+        await transport.create_topics(Topics(run_id).specs(kafka_cfg.partitions))
+        await publish(transport, Topics(run_id).scored, rows, per_batch=30)
+        await transport.close()
+
+    asyncio.run(pub())
+    log = tmp_path / "sink.log"
+    stack.kill("s3")
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.cli.main", "serve", "storage-sink", "--config", str(path), "--flush-rows", "40", "--flush-s", "0.5"],
+        stdout=log.open("a"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and log.read_text().count("object_store.waiting") < 2:
+            time.sleep(0.2)
+        assert sink.poll() is None and log.read_text().count("object_store.waiting") >= 2, log.read_text()[-2000:]
+        stack.restart("s3", 60.0)
+        store = S3ObjectStore(s3_cfg.model_copy(update={"prefix": prefix}))
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and len(set(lake_ids(store, run_id))) < len(rows):
+            time.sleep(1)
+    finally:
+        stack.ensure_healthy("s3")
+        sink.send_signal(signal.SIGTERM)
+        rc = sink.wait(60)
+    assert rc == 0, log.read_text()[-2000:]
+    assert sorted(lake_ids(store, run_id)) == sorted(r.rollout_id for r in rows)
