@@ -155,6 +155,7 @@ class Sandbox:
         self.parallel = parallel or min(4, os.cpu_count() or 1)
         self.last_error: str | None = None
         self.warm = warm
+        self.warm_grace_s = 30.0  # a warm request's deadline: the jobs' time limits plus this
         self._warm_lock = threading.Lock()
         self._warm_proc: subprocess.Popen | None = None
         self._warm_cg: cgroups.Cgroup | None = None
@@ -340,6 +341,24 @@ class Sandbox:
         line, _, self._warm_buf = self._warm_buf.partition(b"\n")
         return line
 
+    def _write_request(self, data: bytes, deadline: float) -> bool:
+        """Write a request to the warm harness by ``deadline``: a harness that stopped reading
+        (hung) must not block the caller (and the lock every other call waits on) for good."""
+        proc = self._warm_proc
+        assert proc is not None and proc.stdin is not None
+        fd = proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        while view:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([], [fd], [], remaining)[1]:
+                return False
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                continue
+        return True
+
     def _run_warm(self, jobs: Sequence[Job]) -> list[ExecResult]:
         lim = self.limits
         start = time.monotonic()
@@ -351,10 +370,9 @@ class Sandbox:
                 if self._warm_proc is None or self._warm_proc.poll() is not None:
                     self._stop_warm()
                     self._start_warm()
-                assert self._warm_proc is not None and self._warm_proc.stdin is not None
-                self._warm_proc.stdin.write(json.dumps(request).encode() + b"\n")
-                self._warm_proc.stdin.flush()
-                line = self._read_line(start + lim.timeout_s * math.ceil(len(jobs) / self.parallel) + 30)
+                deadline = start + lim.timeout_s * math.ceil(len(jobs) / self.parallel) + self.warm_grace_s
+                if self._write_request(json.dumps(request).encode() + b"\n", deadline):
+                    line = self._read_line(deadline)
             except (OSError, ValueError) as exc:
                 self.last_error = f"warm sandbox: {exc}"
             finally:
