@@ -6,7 +6,7 @@ Runs ``conveyor demo`` twice with the same seed (each in a fresh process):
 evaluation inside the runs. In each run it times the three stages where they
 run (the learner's train step, the reference engine's batch generation, the
 reward bridge's sandbox batch) and counts the CPU the whole machine spent
-during the RL phase (``/proc/stat``: the sandbox's processes included; run it
+during the RL phase (``psutil.cpu_times``: the sandbox's processes included; run it
 on an otherwise idle machine).
 
 The bound: the asynchronous run overlaps stages, so it can at best spend the
@@ -36,9 +36,12 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not bench/
 
 
-def _busy_jiffies() -> int:
-    fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
-    return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine spent busy so far (all but idle and iowait)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
 
 
 def _timed(owner, name: str, totals: dict, label: str) -> None:
@@ -82,18 +85,18 @@ def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, m
     run_services = demo._run_services
 
     async def measured(*a, **k):
-        phase["jiffies"], phase["wall"] = _busy_jiffies(), time.monotonic()
+        phase["cpu"], phase["wall"] = _busy_cpu_s(), time.monotonic()
         try:
             return await run_services(*a, **k)
         finally:
-            phase["jiffies"] = _busy_jiffies() - phase["jiffies"]
+            phase["cpu"] = _busy_cpu_s() - phase["cpu"]
             phase["wall"] = time.monotonic() - phase["wall"]
 
     demo._run_services = measured
     cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
                           out_dir=out, run_id=f"stages-{mode}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")  # fmt: skip
     r = demo.run_demo(cfg)
-    return {"steps": r.steps, "wall": phase["wall"], "cpu": phase["jiffies"] / os.sysconf("SC_CLK_TCK"), **totals}
+    return {"steps": r.steps, "wall": phase["wall"], "cpu": phase["cpu"], **totals}
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ generates a batch only after the learner consumed the previous one).
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import random
 import sys
@@ -30,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import structlog
+
+from conveyor.runtime import startup_frozen
 
 log = structlog.get_logger(__name__)
 
@@ -360,13 +361,11 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     # Everything built so far (modules, models, tokenizer: ~500k tracked objects) lives for the
     # whole run. Frozen, it is no longer walked by every full collection: those took ~0.27 s
     # each, holding the GIL that the engine and learner threads share.
-    gc.collect()
-    gc.freeze()
     try:
         try:
-            asyncio.run(_run_services(cfg, ctx, display))
+            with startup_frozen():
+                asyncio.run(_run_services(cfg, ctx, display))
         finally:
-            gc.unfreeze()  # collectable again at exit (native bindings report frozen objects as leaks)
             if cfg.engine == "vllm":
                 asyncio.run(engine.close())
             elif cfg.engine_process:

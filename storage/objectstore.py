@@ -431,18 +431,10 @@ async def wait_for_object_store(cfg: "LocalStoreConfig | S3StoreConfig", *, firs
     credentials, a bucket that cannot be created) fails at once."""
     import asyncio
 
-    import structlog
+    from conveyor.runtime import retry_until
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + getattr(cfg, "connect_deadline_s", 0.0)
-    delay, attempt = first_delay_s, 0
-    while True:
-        attempt += 1
-        try:
-            return await asyncio.to_thread(open_object_store, cfg)
-        except ObjectStoreUnavailable as exc:
-            if loop.time() + delay > deadline:
-                raise
-            structlog.get_logger(__name__).warning("object_store.waiting", attempt=attempt, retry_in_s=delay, error=str(exc)[:300])
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, max_delay_s)
+    return await retry_until(
+        "open", lambda: asyncio.to_thread(open_object_store, cfg), getattr(cfg, "connect_deadline_s", 0.0),
+        retriable=lambda exc: isinstance(exc, ObjectStoreUnavailable), event="object_store.waiting",
+        first_delay_s=first_delay_s, max_delay_s=max_delay_s,
+    )  # fmt: skip

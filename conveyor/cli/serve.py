@@ -71,25 +71,18 @@ async def _trace_memory() -> None:
 def _run_service(cfg, build, *, with_store: bool = True) -> None:
     """Open the config's transport (and object store), ``build(transport, topics, store)`` the
     service, run it until SIGTERM/SIGINT, and close the transport."""
+    from conveyor.runtime import startup_frozen
     from conveyor.topics import Topics
     from conveyor.transport import open_transport
     from storage.objectstore import wait_for_object_store
 
     async def main(stop: asyncio.Event) -> None:
-        import gc
-
         transport = open_transport(cfg.transport)
         try:
             store = await wait_for_object_store(cfg.object_store) if with_store else None
             service = build(transport, Topics(cfg.run_id), store)
-            # What start-up built (modules, the model, ~400k objects in a rollout worker) lives as long
-            # as the process: frozen, full collections skip it (~0.3 s each with the GIL held, ~0 frozen).
-            gc.collect()
-            gc.freeze()
-            try:
+            with startup_frozen():  # what start-up built lives as long as the process
                 await service.run(stop)
-            finally:
-                gc.unfreeze()  # collectable again at exit (native bindings report frozen objects as leaks)
         finally:
             await transport.close()
 

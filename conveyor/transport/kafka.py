@@ -19,13 +19,13 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from conveyor.errors import TransportUnavailable
+from conveyor.runtime import retry_until
 from conveyor.transport.base import CommitFailed, Record, RebalanceCallback, SendResult, TopicPartition, TopicSpec
 
 if TYPE_CHECKING:
@@ -40,23 +40,15 @@ async def _retry(what: str, fn, deadline_s: float, *, first_delay: float = 0.1, 
     """Call ``fn`` until it succeeds, backing off on retriable Kafka errors."""
     from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    delay = first_delay
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return await fn()
-        except (KafkaConnectionError, KafkaTimeoutError, OSError, KafkaError) as exc:
-            retriable = isinstance(exc, (KafkaConnectionError, KafkaTimeoutError, OSError)) or getattr(exc, "retriable", False)
-            if not retriable:
-                raise
-            if loop.time() + delay > deadline:
-                raise TransportUnavailable(f"{what}: broker unavailable after {attempt} attempts: {exc}") from exc
-            log.warning("kafka.retry", what=what, attempt=attempt, delay_s=round(delay, 3), error=str(exc))
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, max_delay)
+    def retriable(exc: BaseException) -> bool:
+        if isinstance(exc, (KafkaConnectionError, KafkaTimeoutError, OSError)):
+            return True
+        return isinstance(exc, KafkaError) and getattr(exc, "retriable", False)
+
+    return await retry_until(
+        what, fn, deadline_s, retriable=retriable, event="kafka.retry", first_delay_s=first_delay, max_delay_s=max_delay,
+        give_up=lambda exc, attempts: TransportUnavailable(f"{what}: broker unavailable after {attempts} attempts: {exc}"),
+    )  # fmt: skip
 
 
 class KafkaProducer:

@@ -120,7 +120,7 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     start = time.monotonic()
     outage_started: float | None = None
     outage_done = False
-    kills_in_outage = 0
+    kills_at_outage = kills_in_outage = 0
     phases: dict[str, float] = {}
     try:
         time.sleep(15)  # every role up (model loads, group joins)
@@ -136,10 +136,10 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
                 kills[role] += 1
             if outage_started is None and sum(kills.values()) >= 8:
                 stack.kill("s3")  # the outage: at least 30 s, and the kills go on during it
-                outage_started = time.monotonic()
+                outage_started, kills_at_outage = time.monotonic(), sum(kills.values())
             elif not outage_done and outage_started is not None and time.monotonic() - outage_started >= 30:
                 phases["outage"] = time.monotonic() - outage_started
-                kills_in_outage = sum(kills.values()) - 8
+                kills_in_outage = sum(kills.values()) - kills_at_outage
                 stack.restart("s3", 60.0)
                 outage_done = True
             for _ in range(rng.randint(4, 10)):  # 2-5 s between kills

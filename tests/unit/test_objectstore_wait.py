@@ -29,7 +29,7 @@ def test_unreachable_s3_is_retried_until_the_deadline_then_raises():
     waits = [e for e in logs if e["event"] == "object_store.waiting"]
     assert len(waits) >= 2, logs  # retried, with backoff, then gave up at the deadline
     assert [w["attempt"] for w in waits] == list(range(1, len(waits) + 1))
-    assert [w["retry_in_s"] for w in waits][:3] == [0.2, 0.4, 0.4][: len(waits)]
+    assert [w["delay_s"] for w in waits][:3] == [0.2, 0.4, 0.4][: len(waits)]
 
 
 def test_errors_that_waiting_cannot_mend_fail_at_once():
