@@ -16,13 +16,24 @@ import pytest
 from conftest import ROOT, open_sandbox
 
 
-@pytest.fixture(scope="module", params=["cold", "warm"])
-def sandbox(request):
-    """Every claim holds for a launch per batch (cold) and for a long-lived sandbox (warm)."""
-    sb = open_sandbox(timeout_s=1.5, memory_mb=128, max_output_bytes=2048, tmp_mb=8, nproc=32, file_mb=2, parallel=2,
-                      warm=request.param == "warm")  # fmt: skip
-    yield sb
-    sb.close()
+@pytest.fixture(scope="module", params=["cold", "warm", "relay"])
+def sandbox(request, tmp_path_factory):
+    """Every claim holds for a launch per batch (cold), for a long-lived sandbox (warm), and for
+    the harness's fallback on machines without a known ``clone`` number (relay: a process that
+    unshares, then forks the job's supervisor)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "relay":
+            import reward.sandbox
+
+            harness = tmp_path_factory.mktemp("relay") / "harness.py"
+            source = reward.sandbox.HARNESS.read_text()
+            assert "\nSYS_CLONE = " in source
+            harness.write_text(source.replace("\nSYS_CLONE = ", "\nSYS_CLONE = None  # ", 1))
+            mp.setattr(reward.sandbox, "HARNESS", harness)
+        sb = open_sandbox(timeout_s=1.5, memory_mb=128, max_output_bytes=2048, tmp_mb=8, nproc=32, file_mb=2,
+                          parallel=2, warm=request.param == "warm")  # fmt: skip
+        yield sb
+        sb.close()
 
 
 def _host_state():
