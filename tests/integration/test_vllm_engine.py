@@ -187,7 +187,10 @@ async def test_abort_ends_a_request(served):
         await asyncio.sleep(0.005)
     await engine.abort(req.request_id)
     out = await asyncio.wait_for(task, 30)
-    assert len(out) == 2 and all(c.finish_reason == "abort" for c in out)
+    # A sample may sample EOS before the abort lands (seen in CI: one finished "stop" after one
+    # token); every other sample must end as aborted, long before max_tokens.
+    assert len(out) == 2 and any(c.finish_reason == "abort" for c in out), out
+    assert all(c.finish_reason == "abort" or (c.finish_reason == "stop" and len(c.token_ids) < 120) for c in out), out
 
 
 async def test_ngram_speculative_decoding_keeps_greedy_output(served, tmp_path):
