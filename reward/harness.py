@@ -272,6 +272,13 @@ def _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w):
     os._exit(0)  # as pid 1: the kernel now kills whatever M left behind
 
 
+def _write_ends(pipes):
+    """In a job's first child: close the harness's read ends, keep the write ends."""
+    for r, _ in pipes:
+        os.close(r)
+    return [w for _, w in pipes]
+
+
 def _clone_supervisor(job, lim, bpf, pipes):
     """Start S as pid 1 of new mount, pid and IPC namespaces; returns its pid (in ours)."""
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | signal.SIGCHLD
@@ -280,9 +287,7 @@ def _clone_supervisor(job, lim, bpf, pipes):
         err = ctypes.get_errno()
         raise OSError(err, "clone: %s" % os.strerror(err))
     if pid == 0:
-        for r, _ in pipes:
-            os.close(r)
-        out_w, err_w, rep_w, status_w = [w for _, w in pipes]
+        out_w, err_w, rep_w, status_w = _write_ends(pipes)
         try:
             _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w)
         except BaseException as exc:  # noqa: BLE001
@@ -326,9 +331,7 @@ class _Job:
         else:
             pid = os.fork()
             if pid == 0:
-                for r, _ in pipes:
-                    os.close(r)
-                _relay(job, lim, bpf, [w for _, w in pipes])
+                _relay(job, lim, bpf, _write_ends(pipes))
         for _, w in pipes:
             os.close(w)
         self.pid = pid
