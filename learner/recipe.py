@@ -17,7 +17,11 @@ step is one readable function (``_train_step``).
   to the object store as safetensors under a versioned key (the version is
   the step count) and announced on the weights topic; published versions
   beyond the newest ``keep_versions`` are deleted. Progress (samples consumed, version)
-  goes to the progress topic for admission control.
+  goes to the progress topic for admission control. A step's weights are copied
+  when it ends and stored, announced and reported while the next step trains
+  (for a large model, serialising and uploading takes seconds); publications
+  stay in order, and a step's progress report never precedes its weights, so
+  a worker admitted by it already sees that version.
 - Offsets: the position of each partition is the oldest record not yet
   trained on (or dropped), so a crash re-reads what was pending and never
   skips it; rollout ids already trained on are skipped.
@@ -195,44 +199,76 @@ class GRPOLearner:
                 raise RuntimeError(f"unknown learner command {op!r}")
 
     async def _loop(self, stop: asyncio.Event, sub: Subscriber, weights_pub: Publisher, progress_pub: Publisher) -> None:
-        while not stop.is_set():
-            for d in await sub.poll(timeout_s=0.2, max_records=1024):
-                self._add(d)
-            self._expire()
-            batch = self._ready_batch()
-            if batch is None:
-                # Skipped duplicates and expired groups count as consumed too: report them even
-                # without a step, or producers and workers waiting on credits would stall.
-                if self.samples_consumed != self._reported and time.monotonic() - self._reported_at > 1.0:
-                    await self._publish_progress(progress_pub)
-                continue
-            stats = await asyncio.to_thread(self._train_step, batch)
-            self.version += 1
-            if self.step % self.publish_every == 0:
-                await self._publish_weights(weights_pub)
-            self.samples_consumed += sum(len(g) for g in batch)
-            self._last_step = {"reward_mean": stats["reward_mean"], "max_staleness": stats["max_staleness"]}
-            await self._publish_progress(progress_pub)
-            self._position.update(self._safe_offsets())
-            if not self.checkpoint_every:
-                await sub.commit_offsets(dict(self._position))
-            elif self.step % self.checkpoint_every == 0:
-                await self.checkpoint(sub)
-            self._record(stats)
-        if self.published_version != self.version and self.step != self.resumed_from:
-            await self._publish_weights(weights_pub)  # the final policy is always in the store
-        if self.checkpoint_every and self.step != self.resumed_from:
-            await self.checkpoint(sub)  # a clean stop leaves nothing to re-train
+        self._publishing = None
+        try:
+            while not stop.is_set():
+                for d in await sub.poll(timeout_s=0.2, max_records=1024):
+                    self._add(d)
+                self._expire()
+                batch = self._ready_batch()
+                if batch is None:
+                    # Skipped duplicates and expired groups count as consumed too: report them even
+                    # without a step, or producers and workers waiting on credits would stall.
+                    if self.samples_consumed != self._reported and time.monotonic() - self._reported_at > 1.0:
+                        await self._published()  # a report never overtakes a step's weights
+                        await self._publish_progress(progress_pub, self._progress())
+                    continue
+                stats, state = await asyncio.to_thread(self._step_and_snapshot, batch)
+                self.version += 1
+                self.samples_consumed += sum(len(g) for g in batch)
+                self._last_step = {"reward_mean": stats["reward_mean"], "max_staleness": stats["max_staleness"]}
+                # The previous step's publication had this whole step to finish; publications stay in order.
+                await self._published()
+                self._publishing = asyncio.create_task(
+                    self._publish_step(weights_pub, progress_pub, state, self.version, self.step, self._progress())
+                )
+                self._position.update(self._safe_offsets())
+                if not self.checkpoint_every:
+                    await sub.commit_offsets(dict(self._position))
+                elif self.step % self.checkpoint_every == 0:
+                    await self._published()
+                    await self.checkpoint(sub)
+                self._record(stats)
+            await self._published()
+            if self.published_version != self.version and self.step != self.resumed_from:
+                await self._publish_weights(weights_pub)  # the final policy is always in the store
+            if self.checkpoint_every and self.step != self.resumed_from:
+                await self.checkpoint(sub)  # a clean stop leaves nothing to re-train
+        finally:
+            if self._publishing is not None and not self._publishing.done():
+                self._publishing.cancel()
+                await asyncio.gather(self._publishing, return_exceptions=True)
 
-    async def _publish_progress(self, pub: Publisher) -> None:
-        await pub.publish_and_wait(
-            LearnerProgress(
-                run_id=self.topics.run_id, samples_consumed=self.samples_consumed, policy_version=self.version, step=self.step,
-                **self._last_step,
-            ),
-            key=self.topics.run_id,
-        )
-        self._reported, self._reported_at = self.samples_consumed, time.monotonic()
+    def _step_and_snapshot(self, batch: list[list[ScoredRollout]]) -> tuple[dict, dict | None]:
+        """One step, then (on a publishing step) a copy of the new weights, taken before the
+        next step can change them: serialising, storing and announcing it overlap that step."""
+        stats = self._train_step(batch)
+        if self.step % self.publish_every:
+            return stats, None
+        live = {t.data_ptr() for t in (*self._hf.parameters(), *self._hf.buffers())}
+        # Tensors that are the live parameters are copied; gathered ones (several ranks) are already copies.
+        return stats, {k: v.to("cpu", copy=v.data_ptr() in live) for k, v in self._weights_state().items()}
+
+    async def _publish_step(self, weights_pub: Publisher, progress_pub: Publisher, state: dict | None, version: int,
+                            step: int, progress: dict) -> None:  # fmt: skip
+        """A step's weights (if it publishes), then its progress report: a worker admitted by the
+        report can already see the version trained before it, which keeps staleness within max_lag."""
+        if state is not None:
+            await self._publish_weights(weights_pub, state, version, step)
+        await self._publish_progress(progress_pub, progress)
+
+    async def _published(self) -> None:
+        """Wait for the step publication in flight, if any (its error, if it failed, is raised here)."""
+        task, self._publishing = getattr(self, "_publishing", None), None
+        if task is not None:
+            await task
+
+    def _progress(self) -> dict:
+        return {"samples_consumed": self.samples_consumed, "policy_version": self.version, "step": self.step, **self._last_step}
+
+    async def _publish_progress(self, pub: Publisher, progress: dict) -> None:
+        await pub.publish_and_wait(LearnerProgress(run_id=self.topics.run_id, **progress), key=self.topics.run_id)
+        self._reported, self._reported_at = progress["samples_consumed"], time.monotonic()
 
     # -------------------------------------------------------------- batching
     def _add(self, d: Delivery[ScoredRollout]) -> None:
@@ -493,20 +529,25 @@ class GRPOLearner:
                 p.requires_grad_(False)
         return self._ref
 
-    async def _publish_weights(self, pub: Publisher[WeightsAnnouncement]) -> None:
+    async def _publish_weights(self, pub: Publisher[WeightsAnnouncement], state: dict | None = None,
+                               version: int | None = None, step: int | None = None) -> None:  # fmt: skip
+        """Store and announce ``state`` as ``version`` (default: the weights, version and step now)."""
         from safetensors.torch import save
 
-        state = await asyncio.to_thread(self._weights_state)
+        if state is None:
+            state = await asyncio.to_thread(self._weights_state)
+        version = self.version if version is None else version
+        step = self.step if step is None else step
         data = await asyncio.to_thread(save, state)
-        key = f"runs/{self.topics.run_id}/weights/v{self.version:06d}/model.safetensors"
+        key = f"runs/{self.topics.run_id}/weights/v{version:06d}/model.safetensors"
         info = await asyncio.to_thread(self.store.put, key, data)
         await pub.publish_and_wait(
             WeightsAnnouncement(
-                run_id=self.topics.run_id, version=self.version, key=key, uri=self.store.uri(key), sha256=info.sha256 or "", step=self.step
+                run_id=self.topics.run_id, version=version, key=key, uri=self.store.uri(key), sha256=info.sha256 or "", step=step
             ),
             key=self.topics.run_id,
         )
-        self.published_version, self.published_key = self.version, key
+        self.published_version, self.published_key = version, key
         await asyncio.to_thread(self._prune_versions)
 
     def _published_versions(self) -> list[int]:

@@ -59,3 +59,81 @@ def test_a_lag_that_would_drop_every_sample_is_refused():
     with pytest.raises(ConfigError, match="max_lag"):
         parse_run_config({"learner": {"publish_every": 4, "max_lag": 2}}, "run.yaml")
     parse_run_config({"learner": {"publish_every": 4, "max_lag": 3}}, "run.yaml")
+
+
+class _SlowWeightsStore(LocalObjectStore):
+    """Stores weights slowly, so a step's publication is still in flight when the next step runs."""
+
+    def __init__(self, root, log: list) -> None:
+        super().__init__(root)
+        self.log = log
+
+    def put(self, key, data, **kw):
+        if "/weights/" in key:
+            import time
+
+            time.sleep(0.3)
+            self.log.append(("stored", key))
+        return super().put(key, data, **kw)
+
+
+async def test_publication_overlaps_the_next_step_and_stays_in_order(tmp_path, monkeypatch):
+    """The next step trains while a version is stored and announced; the stored weights are
+    still those of their own step, versions are announced in order, and a step's progress
+    report (which admits the next batch of rollouts) comes only after its weights."""
+    import torch
+    from safetensors.torch import load
+
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+
+    model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    transport, topics = MemoryTransport(), Topics("overlap")
+    await transport.create_topics(topics.specs(1))
+    events: list = []
+    store = _SlowWeightsStore(tmp_path / "objects", events)
+    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, run_dir=tmp_path, batch_groups=1, max_lag=100,
+                          keep_versions=10)  # fmt: skip
+    after_step: dict[int, dict] = {}
+    train = learner._train_step
+
+    def recorded(batch):
+        events.append(("step-start", learner.step + 1))
+        stats = train(batch)
+        after_step[learner.step] = {k: v.detach().clone() for k, v in learner._weights_state().items()}
+        return stats
+
+    monkeypatch.setattr(learner, "_train_step", recorded)
+    sent = Publisher.publish_and_wait
+
+    async def logged(self, msg, key=None):
+        events.append((type(msg).__name__, getattr(msg, "version", None) or getattr(msg, "policy_version", None)))
+        return await sent(self, msg, key)
+
+    monkeypatch.setattr(Publisher, "publish_and_wait", logged)
+    producer = transport.producer()
+    await producer.start()
+    pub = Publisher(producer, topics.scored)
+    for g in range(4):
+        for r in scored_group("overlap", g, 2):
+            await (await pub.publish(r, r.rollout.task_id))
+    stop = asyncio.Event()
+    run = asyncio.create_task(learner.run(stop))
+    for _ in range(600):
+        if learner.step >= 4:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(run, 60)
+    await producer.close()
+    assert learner.step == 4 and learner.published_version == 4
+    # Overlap: step 2 started before version 1 was stored.
+    assert events.index(("step-start", 2)) < events.index(("stored", "runs/overlap/weights/v000001/model.safetensors"))
+    announced = [v for kind, v in events if kind == "WeightsAnnouncement"]
+    assert announced == [1, 2, 3, 4]
+    for v in range(1, 5):
+        assert events.index(("WeightsAnnouncement", v)) < events.index(("LearnerProgress", v))
+        stored = load(store.get(f"runs/overlap/weights/v{v:06d}/model.safetensors"))
+        assert stored.keys() == after_step[v].keys()
+        assert all(torch.equal(stored[k], after_step[v][k]) for k in stored)
+    assert not all(torch.equal(after_step[1][k], after_step[2][k]) for k in after_step[1])  # steps do change the weights
