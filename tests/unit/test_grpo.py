@@ -103,3 +103,45 @@ def test_kl_penalty_pulls_towards_the_reference():
     loss, stats = clipped_pg_loss([lp], [torch.tensor([-0.5])], [0.0], [torch.ones(1)], cfg, reference_logprobs=[torch.tensor([-1.0])])
     loss.backward()
     assert stats["kl"] > 0 and float(lp.grad[0]) > 0  # new > ref: the penalty pushes the logprob down
+
+
+def test_a_shared_prompt_is_run_once_with_the_same_logprobs_and_gradients(tmp_path):
+    """GRPO groups share their prompt: the learner runs each distinct prompt once and the
+    completions on its KV cache. Log-probabilities, entropy and every parameter's gradient
+    equal running each sequence whole (prompts of different lengths, a temperature, an
+    empty completion, groups out of order)."""
+    import random
+
+    from learner import grpo
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+
+    model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    rng = random.Random(0)
+    groups = [[rng.randrange(3, 20) for _ in range(n)] for n in (30, 32, 31, 27)]
+    prompts, completions = [], []
+    for k in range(16):  # interleaved: group k % 4
+        prompts.append(groups[k % 4])
+        completions.append([rng.randrange(3, 20) for _ in range(0 if k == 5 else rng.randrange(1, 6))])
+    temps = [0.7 if k % 2 else 1.0 for k in range(16)]
+    weights = [rng.uniform(-1, 1) for _ in range(16)]
+    results = {}
+    for name, fn in (("whole", grpo._whole_sequence_logprobs), ("shared", grpo.completion_logprobs)):
+        model.zero_grad()
+        ent: list = []
+        calls = []
+        hook = model.register_forward_pre_hook(lambda m, args, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+        lp = fn(model, prompts, completions, tok.pad_token_id, ent, temps)
+        hook.remove()
+        sum((x * w).sum() for x, w in zip(lp, weights)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = ([x.detach() for x in lp], ent[0], grads, calls)
+    (lw, ew, gw, cw), (ls, es, gs, cs) = results["whole"], results["shared"]
+    assert [len(x) for x in ls] == [len(c) for c in completions]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(lw, ls))
+    assert es == pytest.approx(ew, abs=1e-5)
+    assert gw.keys() == gs.keys()
+    for n in gw:
+        assert torch.allclose(gw[n], gs[n], atol=1e-5, rtol=1e-4), n
+    assert cw == [(16, max(len(p) + len(c) for p, c in zip(prompts, completions)))]  # every sequence whole
+    assert cs == [(4, 32), (16, max(len(c) for c in completions))]  # the four prompts once, then the completions
