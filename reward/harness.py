@@ -323,15 +323,23 @@ class _Job:
         self.index = index
         self.kind = job["kind"]
         self.has_tests = bool(job.get("tests"))
-        pipes = [os.pipe() for _ in range(4)]  # out, err, report, status
-        self.start = time.monotonic()
-        self.deadline = self.start + float(lim["timeout_s"])
-        if SYS_CLONE is not None:
-            pid = _clone_supervisor(job, lim, bpf, pipes)
-        else:
-            pid = os.fork()
-            if pid == 0:
-                _relay(job, lim, bpf, _write_ends(pipes))
+        pipes = []  # out, err, report, status
+        try:
+            for _ in range(4):
+                pipes.append(os.pipe())
+            self.start = time.monotonic()
+            self.deadline = self.start + float(lim["timeout_s"])
+            if SYS_CLONE is not None:
+                pid = _clone_supervisor(job, lim, bpf, pipes)
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    _relay(job, lim, bpf, _write_ends(pipes))
+        except OSError:  # no process started (e.g. EAGAIN at the pids limit, EMFILE): nothing leaks
+            for r, w in pipes:
+                os.close(r)
+                os.close(w)
+            raise
         for _, w in pipes:
             os.close(w)
         self.pid = pid
@@ -419,6 +427,12 @@ class _Job:
         }
 
 
+def _not_started(exc):
+    """The result of a job whose process could not be started: the sandbox failed, not the program."""
+    return {"verdict": "infra", "exit_code": None, "stdout": "", "stderr": "sandbox: could not start the job: %s\n" % exc,
+            "duration_s": 0.0, "peak_memory_mb": None, "feedback": None, "tests": None}
+
+
 def run_all(jobs, lim, bpf, parallel):
     """Run every job, at most ``parallel`` at a time; results in input order."""
     JOBS.update(enumerate(jobs))
@@ -429,7 +443,12 @@ def run_all(jobs, lim, bpf, parallel):
     while queue or running:
         while queue and len(running) < parallel:
             index = queue.pop(0)
-            running.append(_Job(index, JOBS[index], lim, bpf))
+            try:
+                running.append(_Job(index, JOBS[index], lim, bpf))
+            except OSError as exc:  # this job could not start; the batch's other jobs still run
+                results[index] = _not_started(exc)
+        if not running:
+            continue
         fds = {fd: job for job in running for fd in job.open_fds}
         wait = max(0.0, min(job.deadline for job in running) - time.monotonic())
         ready = select.select(list(fds), [], [], wait)[0] if fds else []
