@@ -16,6 +16,26 @@ from scored_factory import scored_group
 from storage.objectstore import LocalObjectStore
 
 
+async def _train_groups(transport, topics, learner, run_id: str, groups: int) -> None:
+    """Publish ``groups`` scored groups of two, run the learner until it trained them all (one
+    group per step), then stop it cleanly."""
+    producer = transport.producer()
+    await producer.start()
+    pub = Publisher(producer, topics.scored)
+    for g in range(groups):
+        for r in scored_group(run_id, g, 2):
+            await (await pub.publish(r, r.rollout.task_id))
+    stop = asyncio.Event()
+    run = asyncio.create_task(learner.run(stop))
+    for _ in range(600):
+        if learner.step >= groups:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(run, 60)
+    await producer.close()
+
+
 async def test_publishes_every_k_steps_and_the_final_policy(tmp_path):
     from learner.models import create_tiny_llama
     from producers.suites.pyexpr import ALPHABET
@@ -26,27 +46,13 @@ async def test_publishes_every_k_steps_and_the_final_policy(tmp_path):
     store = LocalObjectStore(tmp_path / "objects")
     learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, run_dir=tmp_path, batch_groups=1, max_lag=100,
                           publish_every=2, keep_versions=2)  # fmt: skip
-    producer = transport.producer()
-    await producer.start()
-    pub = Publisher(producer, topics.scored)
-    for g in range(5):  # five steps of one group each
-        for r in scored_group("pub", g, 2):
-            await (await pub.publish(r, r.rollout.task_id))
-    stop = asyncio.Event()
-    run = asyncio.create_task(learner.run(stop))
-    for _ in range(600):
-        if learner.step >= 5:
-            break
-        await asyncio.sleep(0.05)
-    stop.set()
-    await asyncio.wait_for(run, 60)
+    await _train_groups(transport, topics, learner, "pub", 5)  # five steps of one group each
     announced = []
     sub = transport.consumer([topics.weights], "check")
     await sub.start()
     for rec in await sub.getmany(timeout_s=0.5, max_records=100):
         announced.append(decode(rec.value, WeightsAnnouncement).version)
     await sub.close()
-    await producer.close()
     assert learner.step == 5
     assert announced == [2, 4, 5]  # every second step, then the final policy at the stop
     assert learner._published_versions() == [4, 5]  # keep_versions=2
@@ -111,21 +117,7 @@ async def test_publication_overlaps_the_next_step_and_stays_in_order(tmp_path, m
         return await sent(self, msg, key)
 
     monkeypatch.setattr(Publisher, "publish_and_wait", logged)
-    producer = transport.producer()
-    await producer.start()
-    pub = Publisher(producer, topics.scored)
-    for g in range(4):
-        for r in scored_group("overlap", g, 2):
-            await (await pub.publish(r, r.rollout.task_id))
-    stop = asyncio.Event()
-    run = asyncio.create_task(learner.run(stop))
-    for _ in range(600):
-        if learner.step >= 4:
-            break
-        await asyncio.sleep(0.05)
-    stop.set()
-    await asyncio.wait_for(run, 60)
-    await producer.close()
+    await _train_groups(transport, topics, learner, "overlap", 4)
     assert learner.step == 4 and learner.published_version == 4
     # Overlap: step 2 started before version 1 was stored.
     assert events.index(("step-start", 2)) < events.index(("stored", "runs/overlap/weights/v000001/model.safetensors"))
