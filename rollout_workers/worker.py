@@ -129,8 +129,8 @@ class RolloutWorker:
                         done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                         self._collect(done, running)
                         await self._publish_ready(order, publisher, tasks)
-                    elif waiting:
-                        await asyncio.sleep(0.02)  # not admitted yet: the learner has to catch up
+                    elif waiting:  # not admitted yet: wake on the learner's next progress report, not on a timer
+                        await self._follow(weights, progress, wait_s=0.05)
                 # Drain: what is in flight is finished, published and committed; tasks
                 # polled but never started stay uncommitted (another worker gets them).
                 while running:
@@ -171,8 +171,11 @@ class RolloutWorker:
         except CommitFailed as exc:
             log.warning("rollout_worker.commit_after_rebalance", tasks=len(mine), error=str(exc))
 
-    async def _follow(self, weights: Subscriber, progress: Subscriber) -> None:
-        for d in await progress.poll(timeout_s=0, max_records=1000):
+    async def _follow(self, weights: Subscriber, progress: Subscriber, wait_s: float = 0.0) -> None:
+        """Take in the learner's progress (waiting up to ``wait_s`` for a report) and swap to the newest
+        announced version. A step's weights are announced before its progress report, so a worker
+        admitted by a report already sees that version."""
+        for d in await progress.poll(timeout_s=wait_s, max_records=1000):
             self.consumed = max(self.consumed, d.message.samples_consumed)
         announced = [d.message for d in await weights.poll(timeout_s=0, max_records=1000)]
         # Newest first; a refused version falls back to the next newer-than-current one.
