@@ -158,6 +158,7 @@ class GRPOLearner:
         self._reported, self._reported_at = 0, 0.0  # samples_consumed last published on the progress topic
         self._last_step: dict = {}  # reward and staleness of the last step, for the progress topic
         self._started = time.monotonic()
+        self._publishing: asyncio.Task | None = None  # the last step's weights publication and progress report
 
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
@@ -199,7 +200,6 @@ class GRPOLearner:
                 raise RuntimeError(f"unknown learner command {op!r}")
 
     async def _loop(self, stop: asyncio.Event, sub: Subscriber, weights_pub: Publisher, progress_pub: Publisher) -> None:
-        self._publishing = None
         try:
             while not stop.is_set():
                 for d in await sub.poll(timeout_s=0.2, max_records=1024):
@@ -259,7 +259,7 @@ class GRPOLearner:
 
     async def _published(self) -> None:
         """Wait for the step publication in flight, if any (its error, if it failed, is raised here)."""
-        task, self._publishing = getattr(self, "_publishing", None), None
+        task, self._publishing = self._publishing, None
         if task is not None:
             await task
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from conveyor.hf import cache_keyword, left_padded
 from rollout_workers.engine import Completion
 
 
@@ -53,10 +54,7 @@ class ReferenceEngine(Tokenizing):
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self._lock = threading.Lock()
-        # transformers 5 renamed `past_key_values` to `cache` (input and output).
-        import inspect
-
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(self.model)
 
     @property
     def max_context(self) -> int:
@@ -88,16 +86,9 @@ class ReferenceEngine(Tokenizing):
         batch = len(prompts) * n  # sample rows: prompt k's samples are rows k*n .. k*n+n-1
         if batch == 0:
             return []
-        pad = self.tokenizer.pad_token_id
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask, positions = left_padded(prompts, self.tokenizer.pad_token_id)
         with self._lock, torch.inference_mode():
             version = self.version
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
             # Each prompt is prefilled once and its KV cache repeated for its n samples (the
             # demo's prompts are 32 tokens and its completions at most 5: prefilling every
             # sample was most of the engine's time).
