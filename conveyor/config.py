@@ -252,6 +252,8 @@ class LearnerConfig(_Section):
     proximal (current) policy, weight by pi_prox / pi_behaviour; on_policy: no off-policy correction."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty against the frozen starting policy (0: off)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the policy's token entropy as a bonus in the objective (0: off; it is reported either way)."""
     pack_tokens: int = Field(4096, ge=0)
     """Sequences are packed (no padding) into packs of this many tokens; 0: pad instead."""
     activation_checkpointing: bool = False

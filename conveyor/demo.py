@@ -50,6 +50,7 @@ class DemoConfig:
     group_size: int = 8
     max_lag: int = 1
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
+    entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
     engine_process: bool = False  # run the rollout worker's engine in a child process
     lr: float = 5e-4
     heldout_size: int = 100
@@ -154,7 +155,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
         run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr, checkpoint_every=25,
         keep_versions=cfg.keep_versions, pack_tokens=cfg.pack_tokens,
-        loss=LossConfig(objective=cfg.objective),
+        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef),
     )
     sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)
@@ -293,6 +294,8 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         raise SystemExit("--target needs evaluations during the run: --eval-every > 0")
     if cfg.engine not in ("reference", "vllm"):
         raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
+    if cfg.entropy_coef < 0:
+        raise SystemExit(f"--entropy-coef {cfg.entropy_coef}: >= 0 (0: no entropy bonus)")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_role)

@@ -25,7 +25,10 @@
   (every sequence weighs the same).
 - Optional KL penalty against a frozen reference model (``kl_coef``, the
   k3 estimator ``exp(ref − new) − (ref − new) − 1`` per token); the policy's
-  entropy is reported.
+  entropy is reported, and with ``entropy_coef > 0`` its token entropy is a
+  bonus in the objective (it keeps the policy sampling answers it has nearly
+  stopped sampling, so that a group it gets wholly wrong can still show it
+  the right one).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class LossConfig:
     aggregation: str = "token"  # "token" | "sequence"
     objective: str = "behaviour"  # "behaviour" | "decoupled" | "on_policy"
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
 
 
 def group_advantages(rewards: list[float], std_normalise: bool = True, eps: float = 1e-6) -> list[float] | None:
@@ -62,23 +66,25 @@ def group_advantages(rewards: list[float], std_normalise: bool = True, eps: floa
 
 def completion_logprobs(
     model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, entropy: list | None = None,
-    temperatures: list[float] | None = None,
+    temperatures: list[float] | None = None, token_entropies: list | None = None,
 ) -> list[torch.Tensor]:
     """log p(completion token | prefix) under ``model``, one tensor per sequence.
 
     ``temperatures[i]``: sequence i was sampled from ``softmax(logits / T)``; its
     log-probabilities are taken from that same distribution (None: T = 1).
     With ``entropy`` (a list), the mean entropy of the policy over the
-    completion tokens is appended to it (no gradient).
+    completion tokens is appended to it (no gradient). With ``token_entropies`` (a list),
+    each sequence's per-token entropies are appended to it, one tensor per sequence
+    (with gradient: the entropy bonus).
 
     A prompt that several sequences share (a GRPO group's samples) is run once:
     :func:`_shared_prefix_logprobs`."""
     if len({tuple(p) for p in prompts}) < len(prompts) and any(completions):
-        return _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures)
-    return _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures)
+        return _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies)
+    return _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies)
 
 
-def _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures) -> list[torch.Tensor]:
+def _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None) -> list[torch.Tensor]:
     """:func:`completion_logprobs` with every sequence run whole (right-padded)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
@@ -93,25 +99,33 @@ def _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, tempe
     sel = torch.zeros(ids[:, 1:].shape, dtype=torch.bool, device=device)  # positions that predict a completion token
     for i, (p, c) in enumerate(zip(prompts, completions)):
         sel[i, len(p) - 1 : len(p) - 1 + len(c)] = True
-    logp = _token_logprobs(logits[:, :-1], ids[:, 1:], sel, temperatures, entropy)
-    return [logp[i, len(p) - 1 : len(p) - 1 + len(c)] for i, (p, c) in enumerate(zip(prompts, completions))]
+    ents: list[torch.Tensor] | None = [] if token_entropies is not None else None
+    logp = _token_logprobs(logits[:, :-1], ids[:, 1:], sel, temperatures, entropy, ents)
+    spans = [(i, len(p) - 1, len(p) - 1 + len(c)) for i, (p, c) in enumerate(zip(prompts, completions))]
+    if ents is not None:
+        token_entropies.extend(ents[0][i, a:b] for i, a, b in spans)  # type: ignore[union-attr]
+    return [logp[i, a:b] for i, a, b in spans]
 
 
-def _token_logprobs(logits, targets, sel, temperatures, entropy) -> torch.Tensor:
+def _token_logprobs(logits, targets, sel, temperatures, entropy, token_entropies=None) -> torch.Tensor:
     """``log p(targets)`` under ``softmax(logits / T)`` (fp32, T per row); with ``entropy`` (a list),
-    the policy's mean entropy over the positions ``sel`` is appended to it (no gradient)."""
+    the policy's mean entropy over the positions ``sel`` is appended to it (no gradient); with
+    ``token_entropies`` (a list), the entropy at every position, with gradient (one tensor)."""
     logits = logits.float()
     if temperatures is not None and any(t != 1.0 for t in temperatures):
         logits = logits / torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None, None]
     logsm = torch.log_softmax(logits, dim=-1)
-    if entropy is not None:
-        with torch.no_grad():
+    if entropy is not None or token_entropies is not None:
+        with torch.set_grad_enabled(token_entropies is not None and torch.is_grad_enabled()):
             ent = -(logsm.exp() * logsm).sum(-1)
-            entropy.append(float(ent[sel].mean()) if sel.any() else 0.0)
+        if token_entropies is not None:
+            token_entropies.append(ent)
+        if entropy is not None:
+            entropy.append(float(ent.detach()[sel].mean()) if sel.any() else 0.0)
     return logsm.gather(-1, targets[:, :, None]).squeeze(-1)
 
 
-def _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures) -> list[torch.Tensor]:
+def _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None) -> list[torch.Tensor]:
     """:func:`completion_logprobs` with each distinct prompt forwarded once.
 
     The distinct prompts (left-padded) are run once with a KV cache; the cache is
@@ -143,7 +157,10 @@ def _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temper
     cids, mask, cpos = cids.to(device), mask.to(device), cpos.to(device)
     out = model(input_ids=cids, attention_mask=mask, position_ids=cpos, use_cache=True, **{cache_kw: cache})
     logits = torch.cat([first[:, None, :], out.logits[:, :-1, :]], dim=1)  # [i, j]: predicts completion token j
-    logp = _token_logprobs(logits, cids, cmask.to(device).bool(), temperatures, entropy)
+    ents: list[torch.Tensor] | None = [] if token_entropies is not None else None
+    logp = _token_logprobs(logits, cids, cmask.to(device).bool(), temperatures, entropy, ents)
+    if ents is not None:
+        token_entropies.extend(ents[0][i, : len(c)] for i, c in enumerate(completions))  # type: ignore[union-attr]
     return [logp[i, : len(c)] for i, c in enumerate(completions)]
 
 
@@ -156,15 +173,19 @@ def clipped_pg_loss(
     proximal_logprobs: list[torch.Tensor] | None = None,
     reference_logprobs: list[torch.Tensor] | None = None,
     denominator: float | None = None,
+    token_entropies: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped objective of ``cfg.objective`` (to minimise) and its statistics.
 
     ``proximal_logprobs`` (no gradient) are required by ``decoupled``;
-    ``reference_logprobs`` by ``kl_coef > 0``."""
+    ``reference_logprobs`` by ``kl_coef > 0``; ``token_entropies`` (the policy's
+    entropy at each completion token, with gradient) by ``entropy_coef > 0``."""
     if cfg.objective == "decoupled" and proximal_logprobs is None:
         raise ValueError("the decoupled objective needs proximal logprobs")
     if cfg.kl_coef > 0 and reference_logprobs is None:
         raise ValueError("kl_coef > 0 needs reference logprobs")
+    if cfg.entropy_coef > 0 and token_entropies is None:
+        raise ValueError("entropy_coef > 0 needs the token entropies")
     per_seq = []
     total_tokens = 0
     ratios = []
@@ -198,6 +219,8 @@ def clipped_pg_loss(
             kl = torch.exp(delta) - delta - 1
             tok_loss = tok_loss + cfg.kl_coef * kl * mask
             kls.append((kl.detach() * mask).sum() / max(float(mask.sum()), 1.0))
+        if cfg.entropy_coef > 0:  # maximise entropy: subtract it from the loss
+            tok_loss = tok_loss - cfg.entropy_coef * token_entropies[k] * mask  # type: ignore[index]
         clipped += int(((unclipped > clip) & (mask > 0)).sum())
         per_seq.append(tok_loss)
         total_tokens += int(mask.sum())

@@ -76,26 +76,29 @@ def block_causal_mask(lengths: list[int]) -> torch.Tensor:
     return (causal & (doc[:, None] == doc[None, :]))[None, None]
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     logsm = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1)
-    entropy = -(logsm.detach().exp() * logsm.detach()).sum(-1)  # reported, not trained on
+    src = logsm if entropy_grad else logsm.detach()  # trained on only as the entropy bonus
+    entropy = -(src.exp() * src).sum(-1)
     return logsm.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
 def token_logprobs(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int = 1024, entropy: list | None = None
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int = 1024, entropy: list | None = None,
+    entropy_grad: bool = False,
 ) -> torch.Tensor:
     """log p(targets[t] | hidden[t]) for every t, ``chunk_tokens`` positions at a time (checkpointed).
-    With ``entropy`` (a list), the per-token entropies are appended to it as one tensor."""
+    With ``entropy`` (a list), the per-token entropies are appended to it as one tensor (with
+    gradient if ``entropy_grad``)."""
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("an LM head with a bias is not supported by the chunked log-prob")
     out, ents = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, lm_head.weight, t, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs, h, lm_head.weight, t, entropy_grad, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(h, lm_head.weight, t)
+            lp, ent = _chunk_logprobs(h, lm_head.weight, t, entropy_grad)
         out.append(lp)
         ents.append(ent)
     if entropy is not None and ents:
@@ -116,13 +119,13 @@ class LogprobHead(torch.nn.Module):
         return self.model.config
 
     def forward(self, input_ids, position_ids, attention_mask, rows, targets, chunk_tokens: int, entropy: list | None = None,
-                row_scale=None):  # fmt: skip
+                row_scale=None, entropy_grad: bool = False):  # fmt: skip
         trunk = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         hidden = trunk(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).last_hidden_state[0]
         picked = hidden[rows]
         if row_scale is not None:  # 1/T per row: (h/T) W^T = logits / T, the sampling temperature
             picked = picked * row_scale[:, None].to(picked.dtype)
-        return token_logprobs(picked, self.model.get_output_embeddings(), targets, chunk_tokens, entropy)
+        return token_logprobs(picked, self.model.get_output_embeddings(), targets, chunk_tokens, entropy, entropy_grad)
 
 
 def packed_completion_logprobs(
@@ -134,16 +137,19 @@ def packed_completion_logprobs(
     chunk_tokens: int = 1024,
     entropy: list | None = None,
     temperatures: list[float] | None = None,
+    token_entropies: list | None = None,
 ) -> list[torch.Tensor]:
     """The same values as ``learner.grpo.completion_logprobs``, without padding and without
     full-vocabulary logits for all tokens at once. ``temperatures[i]``: sequence i's sampling
     temperature (None: 1). With ``entropy`` (a list), the mean policy entropy over completion
-    tokens is appended to it."""
+    tokens is appended to it; with ``token_entropies`` (a list), each sequence's per-token
+    entropies (with gradient), one tensor per sequence in input order."""
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
     flash = getattr(runner.config, "_attn_implementation", "") == "flash_attention_2"
     device = next(runner.parameters()).device
     result: list[torch.Tensor | None] = [None] * len(prompts)
+    seq_ents: list[torch.Tensor | None] = [None] * len(prompts)
     for pack in pack_sequences(prompts, completions, pack_tokens):
         mask = None if (flash or len(pack.lengths) == 1) else block_causal_mask(pack.lengths)
         # Predict token t+1 from position t, within each sequence.
@@ -154,14 +160,19 @@ def packed_completion_logprobs(
             scales.append(torch.full((n - plen,), 1.0 / (temperatures[i] if temperatures else 1.0)))
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         scale = to(torch.cat(scales)) if temperatures and any(t != 1.0 for t in temperatures) else None
+        before = len(ents)
         lp = runner(to(pack.input_ids), to(pack.position_ids), None if mask is None else to(mask), to(torch.cat(rows)),
-                    to(torch.cat(targets)), chunk_tokens, ents, scale)  # fmt: skip
+                    to(torch.cat(targets)), chunk_tokens, ents, scale, token_entropies is not None)  # fmt: skip
+        pack_ents = ents[before] if len(ents) > before else lp.new_zeros(0)  # none if the pack has no completion token
         offset = 0
         for (i, start, plen), n in zip(pack.spans, pack.lengths):
             k = n - plen
             result[i] = lp[offset : offset + k]
+            seq_ents[i] = pack_ents[offset : offset + k]
             offset += k
     if entropy is not None:
-        all_ents = torch.cat(ents) if ents else torch.zeros(1)
+        all_ents = torch.cat(ents).detach() if ents else torch.zeros(1)
         entropy.append(float(all_ents.mean()))
+    if token_entropies is not None:
+        token_entropies.extend(seq_ents)
     return result  # type: ignore[return-value]

@@ -429,15 +429,16 @@ class GRPOLearner:
         mine = per_rank[self.ranks.rank]
         return mine + [[] for _ in range(passes - len(mine))]
 
-    def _logprobs(self, prompts, completions, temps, entropy=None):
+    def _logprobs(self, prompts, completions, temps, entropy=None, token_entropies=None):
         import torch
 
         device_type = next(self.model.parameters()).device.type
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device_type == "cuda"):  # bf16 matmuls, fp32 log-softmax
             if self.pack_tokens:
                 return packed_completion_logprobs(self.model, prompts, completions, pack_tokens=self.pack_tokens,
-                                                  entropy=entropy, temperatures=temps)  # fmt: skip
-            return completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy, temperatures=temps)
+                                                  entropy=entropy, temperatures=temps, token_entropies=token_entropies)  # fmt: skip
+            return completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy, temperatures=temps,
+                                       token_entropies=token_entropies)  # fmt: skip
 
     def _accumulate(self, prompts, completions, behaviour, advantages, masks, fresh=None, temps=None) -> tuple[float, dict]:
         """Forward and backward over ``_micro_batches``; the gradients equal one pass over the whole
@@ -480,7 +481,8 @@ class GRPOLearner:
                     ref = completion_logprobs(self._reference_model(), p, c, self.pad_id, temperatures=t)
             self.model.train()
             ent: list[float] = []
-            new = [x.float() for x in self._logprobs(p, c, t, ent)]
+            tok_ents = [] if self.loss_cfg.entropy_coef > 0 else None  # per-token entropies for the bonus
+            new = [x.float() for x in self._logprobs(p, c, t, ent, tok_ents)]
             if zero:
                 (sum(x.sum() for x in new) * 0.0).backward()
                 continue
@@ -491,7 +493,8 @@ class GRPOLearner:
                         mismatch[0] += float(gap.sum())
                         mismatch[1] += gap.numel()
                         mismatch[2] = max(mismatch[2], float(gap.max()))
-            loss, st = clipped_pg_loss(new, pick(behaviour), pick(advantages), pick(masks), self.loss_cfg, prox, ref, denominator)
+            loss, st = clipped_pg_loss(new, pick(behaviour), pick(advantages), pick(masks), self.loss_cfg, prox, ref, denominator,
+                                       tok_ents)  # fmt: skip
             (loss * world).backward()
             total_loss += float(loss.detach())
             parts.append(st)

@@ -231,7 +231,7 @@ def learner(
         policy = shard(policy, mixed_precision=torch.cuda.is_available())
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, max_importance_weight=lc.max_importance_weight,
                       std_normalise=lc.std_normalise, aggregation=lc.aggregation, objective=lc.objective,
-                      kl_coef=lc.kl_coef)  # fmt: skip
+                      kl_coef=lc.kl_coef, entropy_coef=lc.entropy_coef)  # fmt: skip
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
 

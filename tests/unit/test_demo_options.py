@@ -11,6 +11,7 @@ from conveyor.demo import DemoConfig, run_demo
         ({"eval_every_s": -1.0}, "--eval-every"),
         ({"eval_every_s": 0.0, "target_pass_rate": 0.8}, "--target needs evaluations"),
         ({"engine": "tgi"}, "--engine tgi"),
+        ({"entropy_coef": -0.01}, "--entropy-coef -0.01"),
     ],
 )
 def test_refused_with_the_option_named(tmp_path, kw, needle):

@@ -145,3 +145,61 @@ def test_a_shared_prompt_is_run_once_with_the_same_logprobs_and_gradients(tmp_pa
         assert torch.allclose(gw[n], gs[n], atol=1e-5, rtol=1e-4), n
     assert cw == [(16, max(len(p) + len(c) for p, c in zip(prompts, completions)))]  # every sequence whole
     assert cs == [(4, 32), (16, max(len(c) for c in completions))]  # the four prompts once, then the completions
+
+
+def test_entropy_bonus_is_the_token_entropy_weighted_in_the_loss():
+    cfg = LossConfig(objective="on_policy", entropy_coef=0.1)
+    lp = [torch.zeros(1), torch.zeros(3)]
+    ents = [torch.tensor([0.5]), torch.tensor([1.0, 2.0, 0.0])]
+    masks = [torch.ones(1), torch.tensor([1.0, 1.0, 0.0])]
+    base, _ = clipped_pg_loss(lp, lp, [1.0, -1.0], masks, LossConfig(objective="on_policy"))
+    with_bonus, _ = clipped_pg_loss(lp, lp, [1.0, -1.0], masks, cfg, token_entropies=ents)
+    assert float(with_bonus) == pytest.approx(float(base) - 0.1 * (0.5 + 1.0 + 2.0) / 3)  # masked token left out
+    with pytest.raises(ValueError, match="entropy"):
+        clipped_pg_loss(lp, lp, [1.0, -1.0], masks, cfg)
+
+
+def test_token_entropies_agree_on_every_path_and_the_bonus_raises_entropy(tmp_path):
+    """The per-token entropies (with gradient) from the padded, shared-prompt and packed
+    paths are the same numbers, their mean is the reported entropy, and a step on the
+    bonus alone (every advantage zero: no policy-gradient signal) raises the entropy."""
+    from learner import grpo
+    from learner.models import create_tiny_llama
+    from learner.packing import packed_completion_logprobs
+    from producers.suites.pyexpr import ALPHABET
+
+    model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11], [9, 10, 11]]
+    completions = [[12, 13], [14], [15, 16, 17], []]
+    temps = [1.0, 0.7, 1.0, 1.0]
+    paths = {
+        "whole": lambda te, ent: grpo._whole_sequence_logprobs(model, prompts, completions, tok.pad_token_id, ent, temps, te),
+        "shared": lambda te, ent: grpo.completion_logprobs(model, prompts, completions, tok.pad_token_id, ent, temps, te),
+        "packed": lambda te, ent: packed_completion_logprobs(model, prompts, completions, entropy=ent, temperatures=temps,
+                                                             token_entropies=te),  # fmt: skip
+    }
+    got = {}
+    for name, fn in paths.items():
+        te, ent = [], []
+        fn(te, ent)
+        assert [len(x) for x in te] == [len(c) for c in completions], name
+        assert all(x.requires_grad for x in te if len(x)), name
+        assert float(torch.cat(te).detach().mean()) == pytest.approx(ent[0], abs=1e-5), name
+        got[name] = torch.cat(te).detach()
+    assert torch.allclose(got["whole"], got["shared"], atol=1e-5) and torch.allclose(got["whole"], got["packed"], atol=1e-5)
+
+    cfg = LossConfig(objective="on_policy", entropy_coef=1.0)
+    masks = [torch.ones(len(c)) for c in completions]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = float(got["whole"].mean())
+    for _ in range(3):
+        te = []
+        lp = grpo.completion_logprobs(model, prompts, completions, tok.pad_token_id, None, temps, te)
+        loss, _ = clipped_pg_loss(lp, [x.detach() for x in lp], [0.0] * 4, masks, cfg, token_entropies=te)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = []
+    with torch.no_grad():
+        grpo.completion_logprobs(model, prompts, completions, tok.pad_token_id, after, temps)
+    assert after[0] > before + 1e-3, (before, after[0])
