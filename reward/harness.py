@@ -414,23 +414,21 @@ class _Job:
             verdict = "fail"
         else:
             verdict = "error"
-        return {
-            "verdict": verdict,
-            "exit_code": exit_code,
-            "stdout": self.bufs[self.out_r].decode(errors="replace"),
-            "stderr": stderr,
-            "duration_s": round(time.monotonic() - self.start, 4),
-            "peak_memory_mb": peak_mb,
-            "feedback": feedback,
-            "tests": None if tests is None else {"passed": sum(1 for t in tests if t[1]), "total": len(tests),
-                                                 "failed": [t[0] for t in tests if not t[1]][:20]},
-        }
+        return _result(verdict, exit_code, self.bufs[self.out_r].decode(errors="replace"), stderr,
+                       round(time.monotonic() - self.start, 4), peak_mb, feedback,
+                       None if tests is None else {"passed": sum(1 for t in tests if t[1]), "total": len(tests),
+                                                   "failed": [t[0] for t in tests if not t[1]][:20]})
+
+
+def _result(verdict, exit_code=None, stdout="", stderr="", duration_s=0.0, peak_memory_mb=None, feedback=None, tests=None):
+    """One job's result, as the sandbox reads it back (every key, every time)."""
+    return {"verdict": verdict, "exit_code": exit_code, "stdout": stdout, "stderr": stderr, "duration_s": duration_s,
+            "peak_memory_mb": peak_memory_mb, "feedback": feedback, "tests": tests}
 
 
 def _not_started(exc):
     """The result of a job whose process could not be started: the sandbox failed, not the program."""
-    return {"verdict": "infra", "exit_code": None, "stdout": "", "stderr": "sandbox: could not start the job: %s\n" % exc,
-            "duration_s": 0.0, "peak_memory_mb": None, "feedback": None, "tests": None}
+    return _result("infra", stderr="sandbox: could not start the job: %s\n" % exc)
 
 
 def run_all(jobs, lim, bpf, parallel):
