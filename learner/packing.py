@@ -2,16 +2,21 @@
 
 Packing: sequences (prompt + completion) are laid end to end into packs of
 at most ``pack_tokens`` tokens (first fit, in order), with position ids
-restarting at 0 for every sequence, so no token is spent on padding.
-Attention must not cross sequence boundaries:
+restarting at 0 for every prompt, so no token is spent on padding. A prompt
+that several sequences share (a GRPO group's samples) is laid down once,
+followed by each of its completions at the positions after it (a tree):
+a group of ``n`` samples of a ``P``-token prompt costs ``(n - 1) * P`` fewer
+tokens. Attention must not cross sequences:
 
-- with flash-attn installed (``attn_implementation="flash_attention_2"``),
-  transformers detects the restarting position ids and calls the varlen
-  kernel: memory linear in the pack;
 - with PyTorch SDPA (the default here), a pack holding one sequence uses
   the causal kernel (no mask: memory linear in its length); a pack holding
-  several gets a block-diagonal causal mask, ``pack_tokens²`` booleans —
-  bounded by the pack size, not by the batch.
+  several gets a boolean mask (causal, within a prompt's unit, and a
+  completion sees its prompt and itself but not its siblings),
+  ``pack_tokens²`` booleans — bounded by the pack size, not by the batch;
+- with flash-attn installed (``attn_implementation="flash_attention_2"``),
+  transformers detects the restarting position ids and calls the varlen
+  kernel (memory linear in the pack), which cannot express the tree: every
+  sequence is laid down whole, prompt included.
 
 Log-probs without full-vocabulary logits for every token at once: the
 model's trunk gives hidden states; the LM head, log-softmax and gather run
@@ -33,47 +38,93 @@ from torch.utils.checkpoint import checkpoint
 class Pack:
     input_ids: torch.Tensor  # (1, T)
     position_ids: torch.Tensor  # (1, T)
-    spans: list[tuple[int, int, int]]  # per sequence: (index in batch, start in pack, prompt length)
-    lengths: list[int]  # per sequence: prompt + completion length
+    # per sequence: (index in batch, prompt start, prompt length, completion start, completion length)
+    spans: list[tuple[int, int, int, int, int]]
+    unit_ids: torch.Tensor  # (T,) which prompt-and-completions unit each token belongs to
+    branch_ids: torch.Tensor  # (T,) 0 for a prompt token, k for a token of the unit's k-th completion
 
     @property
     def tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def attention_mask(self) -> torch.Tensor | None:
+        """(1, 1, T, T) boolean mask, True where attention is allowed: causal, within a unit, and a
+        completion sees its prompt and itself, not the other completions of the prompt. None for a
+        pack of one sequence (the plain causal kernel)."""
+        if len(self.spans) == 1:
+            return None
+        idx = torch.arange(self.tokens)
+        unit, branch = self.unit_ids, self.branch_ids
+        allowed = (unit[:, None] == unit[None, :]) & (idx[None, :] <= idx[:, None])
+        allowed &= (branch[None, :] == 0) | (branch[None, :] == branch[:, None])
+        return allowed[None, None]
 
-def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pack_tokens: int) -> list[Pack]:
-    """First-fit packing in order; a sequence longer than ``pack_tokens`` gets a pack of its own."""
-    packs: list[list[int]] = []
+
+def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pack_tokens: int, *, share_prompts: bool = True) -> list[Pack]:
+    """First-fit packing in order of units; a unit longer than ``pack_tokens`` gets a pack of its own.
+
+    A unit is one prompt followed by the completions that share it (a GRPO group's samples), so
+    the prompt's tokens are in the pack once: with ``share_prompts``, sequences with identical
+    prompts form one unit (split into several, each with its own copy of the prompt, where it
+    would not fit a pack); without, every sequence is its own unit."""
+    groups: dict[object, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p) if share_prompts else i, []).append(i)
+    units: list[list[int]] = []
+    for members in groups.values():
+        plen = len(prompts[members[0]])
+        cur: list[int] = []
+        size = plen
+        for i in members:
+            if cur and size + len(completions[i]) > pack_tokens:
+                units.append(cur)
+                cur, size = [], plen
+            cur.append(i)
+            size += len(completions[i])
+        units.append(cur)
+    packs: list[list[list[int]]] = []
     used: list[int] = []
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        n = len(p) + len(c)
+    for unit in units:
+        n = len(prompts[unit[0]]) + sum(len(completions[i]) for i in unit)
         for k, u in enumerate(used):
             if u + n <= pack_tokens:
-                packs[k].append(i)
+                packs[k].append(unit)
                 used[k] += n
                 break
         else:
-            packs.append([i])
+            packs.append([unit])
             used.append(n)
     out = []
     for members in packs:
-        ids, pos, spans, lengths = [], [], [], []
-        for i in members:
-            seq = prompts[i] + completions[i]
-            spans.append((i, len(ids), len(prompts[i])))
-            lengths.append(len(seq))
-            ids.extend(seq)
-            pos.extend(range(len(seq)))
-        out.append(Pack(torch.tensor([ids]), torch.tensor([pos]), spans, lengths))
+        ids: list[int] = []
+        pos: list[int] = []
+        unit_ids: list[int] = []
+        branch_ids: list[int] = []
+        spans = []
+        for u, unit in enumerate(members):
+            p = prompts[unit[0]]
+            ps = len(ids)
+            ids.extend(p)
+            pos.extend(range(len(p)))
+            unit_ids.extend([u] * len(p))
+            branch_ids.extend([0] * len(p))
+            for b, i in enumerate(unit, 1):
+                c = completions[i]
+                spans.append((i, ps, len(p), len(ids), len(c)))
+                ids.extend(c)
+                pos.extend(range(len(p), len(p) + len(c)))
+                unit_ids.extend([u] * len(c))
+                branch_ids.extend([b] * len(c))
+        out.append(Pack(torch.tensor([ids]), torch.tensor([pos]), spans, torch.tensor(unit_ids), torch.tensor(branch_ids)))
     return out
 
 
-def block_causal_mask(lengths: list[int]) -> torch.Tensor:
-    """(1, 1, T, T) boolean mask: True where attention is allowed (causal, within a sequence)."""
-    total = sum(lengths)
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    causal = torch.ones(total, total, dtype=torch.bool).tril_()
-    return (causal & (doc[:, None] == doc[None, :]))[None, None]
+def shares_prompts(model) -> bool:
+    """Whether packs may hold a prompt once for several completions: not with flash-attn, whose
+    varlen kernel takes sequences from restarting position ids (no tree of a prompt and its
+    completions)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", "") != "flash_attention_2"
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,18 +197,18 @@ def packed_completion_logprobs(
     entropies (with gradient), one tensor per sequence in input order."""
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
-    flash = getattr(runner.config, "_attn_implementation", "") == "flash_attention_2"
+    share = shares_prompts(runner)
     device = next(runner.parameters()).device
     result: list[torch.Tensor | None] = [None] * len(prompts)
     seq_ents: list[torch.Tensor | None] = [None] * len(prompts)
-    for pack in pack_sequences(prompts, completions, pack_tokens):
-        mask = None if (flash or len(pack.lengths) == 1) else block_causal_mask(pack.lengths)
-        # Predict token t+1 from position t, within each sequence.
+    for pack in pack_sequences(prompts, completions, pack_tokens, share_prompts=share):
+        mask = pack.attention_mask() if share else None  # flash-attn: sequences from the position ids
+        # Completion token 0 is predicted from the prompt's last position, token j from token j-1.
         rows, targets, scales = [], [], []
-        for (i, start, plen), n in zip(pack.spans, pack.lengths):
-            rows.append(torch.arange(start + plen - 1, start + n - 1))
-            targets.append(pack.input_ids[0, start + plen : start + n])
-            scales.append(torch.full((n - plen,), 1.0 / (temperatures[i] if temperatures else 1.0)))
+        for i, ps, plen, cs, k in pack.spans:
+            rows.append(torch.cat([torch.tensor([ps + plen - 1]), torch.arange(cs, cs + k - 1)]) if k else torch.zeros(0, dtype=torch.long))
+            targets.append(pack.input_ids[0, cs : cs + k])
+            scales.append(torch.full((k,), 1.0 / (temperatures[i] if temperatures else 1.0)))
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         scale = to(torch.cat(scales)) if temperatures and any(t != 1.0 for t in temperatures) else None
         before = len(ents)
@@ -165,8 +216,7 @@ def packed_completion_logprobs(
                     to(torch.cat(targets)), chunk_tokens, ents, scale, token_entropies is not None)  # fmt: skip
         pack_ents = ents[before] if len(ents) > before else lp.new_zeros(0)  # none if the pack has no completion token
         offset = 0
-        for (i, start, plen), n in zip(pack.spans, pack.lengths):
-            k = n - plen
+        for i, _, _, _, k in pack.spans:
             result[i] = lp[offset : offset + k]
             seq_ents[i] = pack_ents[offset : offset + k]
             offset += k

@@ -59,7 +59,7 @@ from conveyor.topics import Topics
 from conveyor.transport.base import TopicPartition, Transport
 from learner.distributed import RankGroup, full_model_state, full_optimizer_state, load_full_state, split_by_tokens
 from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs, group_advantages
-from learner.packing import LogprobHead, pack_sequences, packed_completion_logprobs
+from learner.packing import LogprobHead, pack_sequences, packed_completion_logprobs, shares_prompts
 from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
@@ -423,8 +423,9 @@ class GRPOLearner:
             return [list(range(lo, min(lo + size, n))) for lo in range(0, n, size)]
         per_rank = []
         for share in split_by_tokens([len(p) + len(c) for p, c in zip(prompts, completions)], self.ranks.world):
-            packs = pack_sequences([prompts[i] for i in share], [completions[i] for i in share], self.pack_tokens)
-            per_rank.append([[share[i] for i, _, _ in pack.spans] for pack in packs])
+            packs = pack_sequences([prompts[i] for i in share], [completions[i] for i in share], self.pack_tokens,
+                                   share_prompts=shares_prompts(self.model))  # fmt: skip
+            per_rank.append([[share[i] for i, *_ in pack.spans] for pack in packs])
         passes = max(len(r) for r in per_rank)
         mine = per_rank[self.ranks.rank]
         return mine + [[] for _ in range(passes - len(mine))]

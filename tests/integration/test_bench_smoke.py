@@ -13,3 +13,12 @@ def test_learner_gpu_bench_smoke():
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "learner_gpu.py"), "--smoke"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FIGURE learner_tokens_per_s" in res.stdout
+
+
+def test_packed_prompts_bench_smoke():
+    """The shared-prompt packing bench checks its two variants agree before it times them."""
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "packed_prompts.py"), "--prompt", "16", "--completion", "8",
+                          "--samples", "3", "--groups", "2", "--pack-tokens", "40", "--hidden", "64", "--layers", "1",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FIGURE packed_shared_prompt_speedup" in res.stdout

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from learner import grpo
 from learner.grpo import completion_logprobs
-from learner.packing import block_causal_mask, pack_sequences, packed_completion_logprobs
+from learner.packing import pack_sequences, packed_completion_logprobs
 
 PROMPTS = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13, 14], [5]]
 COMPLETIONS = [[5, 6, 7], [8, 9, 10, 11], [12], [6, 7, 8, 9, 10]]
@@ -27,27 +28,51 @@ def test_packs_hold_no_padding_and_restart_positions():
     assert sum(p.tokens for p in packs) == sum(len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS))
     assert all(p.tokens <= 12 for p in packs)
     first = packs[0]
-    assert first.position_ids[0, : first.lengths[0]].tolist() == list(range(first.lengths[0]))
-    if len(first.lengths) > 1:
-        assert first.position_ids[0, first.lengths[0]] == 0
+    (_, ps, plen, cs, k), *rest = first.spans
+    assert first.position_ids[0, ps : cs + k].tolist() == list(range(plen + k))
+    if rest:
+        assert first.position_ids[0, rest[0][1]] == 0
 
 
-def test_block_mask_is_causal_within_sequences_only():
-    m = block_causal_mask([2, 3])[0, 0]
+def test_a_shared_prompt_is_packed_once_and_its_completions_do_not_see_each_other():
+    prompts = [[3, 4], [7, 8, 9], [3, 4], [3, 4]]
+    completions = [[5, 6], [10], [11, 12], [13]]
+    (pack,) = pack_sequences(prompts, completions, pack_tokens=64)
+    assert pack.input_ids[0].tolist() == [3, 4, 5, 6, 11, 12, 13, 7, 8, 9, 10]
+    assert pack.position_ids[0].tolist() == [0, 1, 2, 3, 2, 3, 2, 0, 1, 2, 3]
+    assert [s[0] for s in pack.spans] == [0, 2, 3, 1]
+    m = pack.attention_mask()[0, 0]
     assert m[1, 0] and not m[0, 1]  # causal
-    assert not m[2, 1] and m[4, 2]  # nothing across the boundary
+    assert m[4, 0] and m[4, 1] and not m[4, 2] and not m[4, 3]  # completion 2 sees the prompt, not completion 1
+    assert m[5, 4] and not m[6, 5] and m[6, 1]
+    assert not m[7, 6] and not m[10, 1] and m[10, 7]  # nothing across units
+    unshared = pack_sequences(prompts, completions, pack_tokens=64, share_prompts=False)
+    assert sum(p.tokens for p in unshared) == pack.tokens + 2 * 2
+    # A group that does not fit one pack is split, each part with its own copy of the prompt.
+    packs = pack_sequences(prompts, completions, pack_tokens=5)
+    assert all(p.tokens <= 5 for p in packs)
+    assert sorted(s[0] for p in packs for s in p.spans) == [0, 1, 2, 3]
 
 
+# A batch with GRPO-style repeats: prompt 0 three times (interleaved), prompt 2 twice, an empty completion.
+SHARED_PROMPTS = PROMPTS + [PROMPTS[0], PROMPTS[2], PROMPTS[0]]
+SHARED_COMPLETIONS = COMPLETIONS + [[8, 9], [4, 5, 6], []]
+
+
+@pytest.mark.parametrize(("prompts", "completions"), [(PROMPTS, COMPLETIONS), (SHARED_PROMPTS, SHARED_COMPLETIONS)],
+                         ids=["distinct", "shared"])  # fmt: skip
 @pytest.mark.parametrize("pack_tokens", [64, 8])
-def test_values_and_gradients_match_the_padded_computation(model, pack_tokens):
+def test_values_and_gradients_match_the_padded_computation(model, pack_tokens, prompts, completions):
     m, pad = model
-    ref = completion_logprobs(m, PROMPTS, COMPLETIONS, pad)
+    weights = torch.linspace(-1, 1, sum(len(c) for c in completions))
+    ref = grpo._whole_sequence_logprobs(m, prompts, completions, pad, None, None)  # every sequence whole
     m.zero_grad()
-    torch.cat(ref).sum().backward()
+    (torch.cat(ref) * weights).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
-    got = packed_completion_logprobs(m, PROMPTS, COMPLETIONS, pack_tokens=pack_tokens, chunk_tokens=3)
-    torch.cat(got).sum().backward()
+    got = packed_completion_logprobs(m, prompts, completions, pack_tokens=pack_tokens, chunk_tokens=3)
+    (torch.cat(got) * weights).sum().backward()
+    assert [len(x) for x in got] == [len(c) for c in completions]
     for a, b in zip(ref, got):
         assert torch.allclose(a, b, atol=1e-5)
     for n, p in m.named_parameters():
