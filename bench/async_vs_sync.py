@@ -134,7 +134,7 @@ def main() -> None:
             else:
                 offline = OfflineEval(r, args.out, args.heldout)
                 reached[mode] = offline.time_to(args.threshold, args.grid, r.rl_time_s)
-                others = {th: offline.time_to(th, args.grid, r.rl_time_s) for th in (0.7, 0.75, 0.8, 0.85) if th != args.threshold}
+                others = {th: offline.time_to(th, args.grid, r.rl_time_s) for th in (0.7, 0.75, 0.8, 0.85, 0.9) if th != args.threshold}
                 print(f"seed {seed} {mode}: time to " + ", ".join(f"{th}: {t}" for th, t in others.items()), flush=True)
                 (r.run_dir / "heldout_by_version.json").write_text(json.dumps({
                     "heldout": args.heldout, "published": offline.published, "pass_rate": offline.rates}))
