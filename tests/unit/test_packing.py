@@ -52,6 +52,7 @@ def test_a_shared_prompt_is_packed_once_and_its_completions_do_not_see_each_othe
     packs = pack_sequences(prompts, completions, pack_tokens=5)
     assert all(p.tokens <= 5 for p in packs)
     assert sorted(s[0] for p in packs for s in p.spans) == [0, 1, 2, 3]
+    assert sum(p.tokens for p in packs) == pack.tokens + 2  # the prompt [3, 4] twice: two parts
 
 
 # A batch with GRPO-style repeats: prompt 0 three times (interleaved), prompt 2 twice, an empty completion.
