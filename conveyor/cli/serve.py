@@ -311,6 +311,7 @@ def producer(config: Path = CONFIG) -> None:
     the HTTP API (producer.http_port) for services that submit their own tasks."""
     import uvicorn
 
+    from conveyor.runtime import startup_frozen
     from conveyor.topics import Topics
     from conveyor.transport import open_transport
     from producers.api import create_app
@@ -350,13 +351,14 @@ def producer(config: Path = CONFIG) -> None:
             jobs.append(asyncio.create_task(prod.run(stop)))
         stopper = asyncio.create_task(stop.wait())
         try:
-            # Whichever ends first: a stop signal, or a job (the suite ran out, or something failed).
-            done, _ = await asyncio.wait([stopper, *jobs], return_when=asyncio.FIRST_COMPLETED)
-            failed = [t for t in done if t is not stopper and t.exception() is not None]
-            if failed:
-                raise failed[0].exception()  # exit non-zero: a supervisor restarts the producer
-            if stopper not in done and server is not None:
-                await stop.wait()  # the suite is done; keep serving the HTTP API until told to stop
+            with startup_frozen():  # what start-up built lives as long as the process (as in _run_service)
+                # Whichever ends first: a stop signal, or a job (the suite ran out, or something failed).
+                done, _ = await asyncio.wait([stopper, *jobs], return_when=asyncio.FIRST_COMPLETED)
+                failed = [t for t in done if t is not stopper and t.exception() is not None]
+                if failed:
+                    raise failed[0].exception()  # exit non-zero: a supervisor restarts the producer
+                if stopper not in done and server is not None:
+                    await stop.wait()  # the suite is done; keep serving the HTTP API until told to stop
         finally:
             stopper.cancel()
             if server is not None:
