@@ -57,25 +57,19 @@ def main() -> None:
             completions.append(torch.randint(0, 256, (args.completion,), generator=g).tolist())
     weights = torch.randn(len(prompts) * args.completion, generator=g)
 
-    real = packing.pack_sequences
-
     def run(share: bool):
-        packing.pack_sequences = lambda *a, **k: real(*a, **dict(k, share_prompts=share))
-        try:
-            model.zero_grad()
-            t = time.perf_counter()
-            lp = packing.packed_completion_logprobs(model, prompts, completions, pack_tokens=args.pack_tokens)
-            (torch.cat(lp) * weights).sum().backward()
-            return time.perf_counter() - t, torch.cat(lp).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-        finally:
-            packing.pack_sequences = real
+        model.zero_grad()
+        t = time.perf_counter()
+        lp = packing.packed_completion_logprobs(model, prompts, completions, pack_tokens=args.pack_tokens, share_prompts=share)
+        (torch.cat(lp) * weights).sum().backward()
+        return time.perf_counter() - t, torch.cat(lp).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     _, lw, gw = run(False)
     _, ls, gs = run(True)
     assert torch.allclose(lw, ls, atol=1e-4), float((lw - ls).abs().max())
     worst = max(float((gw[n] - gs[n]).abs().max() / (gw[n].abs().max() + 1e-12)) for n in gw)
     assert worst < 1e-3, worst
-    tokens = {s: sum(p.tokens for p in real(prompts, completions, args.pack_tokens, share_prompts=s)) for s in (False, True)}
+    tokens = {s: sum(p.tokens for p in packing.pack_sequences(prompts, completions, args.pack_tokens, share_prompts=s)) for s in (False, True)}
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.repeats):
         for share in (False, True):

@@ -99,30 +99,28 @@ def _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, tempe
     sel = torch.zeros(ids[:, 1:].shape, dtype=torch.bool, device=device)  # positions that predict a completion token
     for i, (p, c) in enumerate(zip(prompts, completions)):
         sel[i, len(p) - 1 : len(p) - 1 + len(c)] = True
-    ents: list[torch.Tensor] | None = [] if token_entropies is not None else None
-    logp = _token_logprobs(logits[:, :-1], ids[:, 1:], sel, temperatures, entropy, ents)
+    logp, ent = _token_logprobs(logits[:, :-1], ids[:, 1:], sel, temperatures, entropy, token_entropies is not None)
     spans = [(i, len(p) - 1, len(p) - 1 + len(c)) for i, (p, c) in enumerate(zip(prompts, completions))]
-    if ents is not None:
-        token_entropies.extend(ents[0][i, a:b] for i, a, b in spans)  # type: ignore[union-attr]
+    if token_entropies is not None:
+        token_entropies.extend(ent[i, a:b] for i, a, b in spans)  # type: ignore[index]
     return [logp[i, a:b] for i, a, b in spans]
 
 
-def _token_logprobs(logits, targets, sel, temperatures, entropy, token_entropies=None) -> torch.Tensor:
-    """``log p(targets)`` under ``softmax(logits / T)`` (fp32, T per row); with ``entropy`` (a list),
-    the policy's mean entropy over the positions ``sel`` is appended to it (no gradient); with
-    ``token_entropies`` (a list), the entropy at every position, with gradient (one tensor)."""
+def _token_logprobs(logits, targets, sel, temperatures, entropy, with_entropy=False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log p(targets)`` under ``softmax(logits / T)`` (fp32, T per row), and with ``with_entropy``
+    the policy's entropy at every position (with gradient; else None). With ``entropy`` (a list),
+    the mean entropy over the positions ``sel`` is appended to it (no gradient)."""
     logits = logits.float()
     if temperatures is not None and any(t != 1.0 for t in temperatures):
         logits = logits / torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None, None]
     logsm = torch.log_softmax(logits, dim=-1)
-    if entropy is not None or token_entropies is not None:
-        with torch.set_grad_enabled(token_entropies is not None and torch.is_grad_enabled()):
+    ent = None
+    if entropy is not None or with_entropy:
+        with torch.set_grad_enabled(with_entropy and torch.is_grad_enabled()):
             ent = -(logsm.exp() * logsm).sum(-1)
-        if token_entropies is not None:
-            token_entropies.append(ent)
         if entropy is not None:
             entropy.append(float(ent.detach()[sel].mean()) if sel.any() else 0.0)
-    return logsm.gather(-1, targets[:, :, None]).squeeze(-1)
+    return logsm.gather(-1, targets[:, :, None]).squeeze(-1), ent if with_entropy else None
 
 
 def _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None) -> list[torch.Tensor]:
@@ -157,10 +155,9 @@ def _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temper
     cids, mask, cpos = cids.to(device), mask.to(device), cpos.to(device)
     out = model(input_ids=cids, attention_mask=mask, position_ids=cpos, use_cache=True, **{cache_kw: cache})
     logits = torch.cat([first[:, None, :], out.logits[:, :-1, :]], dim=1)  # [i, j]: predicts completion token j
-    ents: list[torch.Tensor] | None = [] if token_entropies is not None else None
-    logp = _token_logprobs(logits, cids, cmask.to(device).bool(), temperatures, entropy, ents)
-    if ents is not None:
-        token_entropies.extend(ents[0][i, : len(c)] for i, c in enumerate(completions))  # type: ignore[union-attr]
+    logp, ent = _token_logprobs(logits, cids, cmask.to(device).bool(), temperatures, entropy, token_entropies is not None)
+    if token_entropies is not None:
+        token_entropies.extend(ent[i, : len(c)] for i, c in enumerate(completions))  # type: ignore[index]
     return [logp[i, : len(c)] for i, c in enumerate(completions)]
 
 

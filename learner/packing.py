@@ -189,20 +189,25 @@ def packed_completion_logprobs(
     entropy: list | None = None,
     temperatures: list[float] | None = None,
     token_entropies: list | None = None,
+    share_prompts: bool | None = None,
 ) -> list[torch.Tensor]:
     """The same values as ``learner.grpo.completion_logprobs``, without padding and without
     full-vocabulary logits for all tokens at once. ``temperatures[i]``: sequence i's sampling
     temperature (None: 1). With ``entropy`` (a list), the mean policy entropy over completion
     tokens is appended to it; with ``token_entropies`` (a list), each sequence's per-token
-    entropies (with gradient), one tensor per sequence in input order."""
+    entropies (with gradient), one tensor per sequence in input order. ``share_prompts``: lay a
+    shared prompt down once (None: whenever the attention kernel allows, :func:`shares_prompts`)."""
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
-    share = shares_prompts(runner)
+    flash = not shares_prompts(runner)
+    if flash and share_prompts:
+        raise ValueError("share_prompts: flash-attn's varlen kernel cannot take a shared prompt (a tree)")
+    share = not flash if share_prompts is None else share_prompts
     device = next(runner.parameters()).device
     result: list[torch.Tensor | None] = [None] * len(prompts)
     seq_ents: list[torch.Tensor | None] = [None] * len(prompts)
     for pack in pack_sequences(prompts, completions, pack_tokens, share_prompts=share):
-        mask = pack.attention_mask() if share else None  # flash-attn: sequences from the position ids
+        mask = None if flash else pack.attention_mask()  # flash-attn: sequences from the position ids
         # Completion token 0 is predicted from the prompt's last position, token j from token j-1.
         rows, targets, scales = [], [], []
         for i, ps, plen, cs, k in pack.spans:
@@ -218,7 +223,8 @@ def packed_completion_logprobs(
         offset = 0
         for i, _, _, _, k in pack.spans:
             result[i] = lp[offset : offset + k]
-            seq_ents[i] = pack_ents[offset : offset + k]
+            if token_entropies is not None:
+                seq_ents[i] = pack_ents[offset : offset + k]
             offset += k
     if entropy is not None:
         all_ents = torch.cat(ents).detach() if ents else torch.zeros(1)

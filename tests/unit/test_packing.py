@@ -62,8 +62,9 @@ SHARED_COMPLETIONS = COMPLETIONS + [[8, 9], [4, 5, 6], []]
 
 @pytest.mark.parametrize(("prompts", "completions"), [(PROMPTS, COMPLETIONS), (SHARED_PROMPTS, SHARED_COMPLETIONS)],
                          ids=["distinct", "shared"])  # fmt: skip
+@pytest.mark.parametrize("share_prompts", [None, False], ids=["default", "unshared"])
 @pytest.mark.parametrize("pack_tokens", [64, 8])
-def test_values_and_gradients_match_the_padded_computation(model, pack_tokens, prompts, completions):
+def test_values_and_gradients_match_the_padded_computation(model, pack_tokens, prompts, completions, share_prompts):
     m, pad = model
     weights = torch.linspace(-1, 1, sum(len(c) for c in completions))
     ref = grpo._whole_sequence_logprobs(m, prompts, completions, pad, None, None)  # every sequence whole
@@ -71,7 +72,7 @@ def test_values_and_gradients_match_the_padded_computation(model, pack_tokens, p
     (torch.cat(ref) * weights).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
-    got = packed_completion_logprobs(m, prompts, completions, pack_tokens=pack_tokens, chunk_tokens=3)
+    got = packed_completion_logprobs(m, prompts, completions, pack_tokens=pack_tokens, chunk_tokens=3, share_prompts=share_prompts)
     (torch.cat(got) * weights).sum().backward()
     assert [len(x) for x in got] == [len(c) for c in completions]
     for a, b in zip(ref, got):
@@ -91,3 +92,14 @@ def test_tempered_logprobs_match_between_paths_and_the_definition(model):
             want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
             assert torch.allclose(padded[i], want, atol=1e-5) and torch.allclose(packed[i], want, atol=1e-5)
     assert not torch.allclose(padded[0], completion_logprobs(m, PROMPTS[:1], COMPLETIONS[:1], pad)[0])
+
+
+def test_a_shared_prompt_is_refused_under_flash_attention(model):
+    m, _ = model
+    before = m.config._attn_implementation
+    m.config._attn_implementation = "flash_attention_2"  # checked before any forward: no flash-attn needed
+    try:
+        with pytest.raises(ValueError, match="flash-attn"):
+            packed_completion_logprobs(m, SHARED_PROMPTS, SHARED_COMPLETIONS, share_prompts=True)
+    finally:
+        m.config._attn_implementation = before
