@@ -116,8 +116,10 @@ class BatchingEngine:
         self._wake: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._runner: asyncio.Task | None = None
-        state = engine.model.state_dict() if hasattr(engine, "model") else None
-        self._shapes = {k: tuple(v.shape) for k, v in state.items()} if state is not None else None
+        if hasattr(engine, "model"):
+            self._shapes = {k: tuple(v.shape) for k, v in engine.model.state_dict().items()}
+        else:  # an engine in another process reports its model's shapes
+            self._shapes = getattr(engine, "weight_shapes", None)
 
     @property
     def version(self) -> int:
@@ -167,6 +169,10 @@ class BatchingEngine:
         await self.start()
         if self._shapes is not None:
             check_weights(weights, self._shapes, tied={"lm_head.weight"})
+        if hasattr(self.inner, "load_weights"):  # an engine in another process decodes the blob itself
+            async with self._lock:
+                await asyncio.to_thread(self.inner.load_weights, weights, version)
+            return
         state = await asyncio.to_thread(load, weights)
         async with self._lock:
             await asyncio.to_thread(self.inner.load_state_dict, state, version)

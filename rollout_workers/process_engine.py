@@ -14,6 +14,7 @@ import multiprocessing
 import threading
 from pathlib import Path
 
+from rollout_workers.engine import WeightsRejected
 from rollout_workers.reference_engine import Tokenizing
 
 
@@ -21,7 +22,7 @@ def _serve(conn, model_dir: str, seed: int, threads: int) -> None:
     from rollout_workers.reference_engine import ReferenceEngine
 
     engine = ReferenceEngine(model_dir, seed=seed, threads=threads)
-    conn.send(("ready", None))
+    conn.send(("ready", {k: tuple(v.shape) for k, v in engine.model.state_dict().items()}))
     while True:
         try:
             op, args, kwargs = conn.recv()
@@ -32,6 +33,21 @@ def _serve(conn, model_dir: str, seed: int, threads: int) -> None:
                 conn.send(("ok", engine.generate(*args, **kwargs)))
             elif op == "load":
                 engine.load_state_dict(*args)
+                conn.send(("ok", None))
+            elif op == "load_bytes":  # a safetensors blob: decoded here, not pickled tensor by tensor
+                from safetensors.torch import load
+
+                weights, version = args
+                try:
+                    state = load(weights)
+                except Exception as exc:  # noqa: BLE001 - refused, the engine serves on
+                    conn.send(("rejected", f"not a safetensors object: {exc}"))
+                    continue
+                try:
+                    engine.load_state_dict(state, version)
+                except (ValueError, RuntimeError) as exc:  # load_state_dict refuses before it copies
+                    conn.send(("rejected", str(exc)))
+                    continue
                 conn.send(("ok", None))
             elif op == "close":
                 conn.send(("ok", None))
@@ -52,9 +68,10 @@ class ProcessEngine(Tokenizing):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = 0
         self._lock = threading.Lock()
-        status, _ = self._conn.recv()
+        status, shapes = self._conn.recv()
         if status != "ready":
             raise RuntimeError("the engine process did not start")
+        self.weight_shapes: dict[str, tuple[int, ...]] = shapes  # what a swap must fit (BatchingEngine checks)
 
     def _call(self, op: str, *args, **kwargs):
         with self._lock:
@@ -62,6 +79,8 @@ class ProcessEngine(Tokenizing):
             status, value = self._conn.recv()
         if status == "error":
             raise value
+        if status == "rejected":
+            raise WeightsRejected(value)
         return value
 
     def generate(self, prompts, n, **kwargs):
@@ -69,6 +88,11 @@ class ProcessEngine(Tokenizing):
 
     def load_state_dict(self, state: dict, version: int) -> None:
         self._call("load", {k: v.detach().cpu() for k, v in state.items()}, version)
+        self.version = version
+
+    def load_weights(self, weights: bytes, version: int) -> None:
+        """Swap to a safetensors blob, as published: one write down the pipe, decoded in the child."""
+        self._call("load_bytes", weights, version)
         self.version = version
 
     def close(self) -> None:

@@ -82,6 +82,45 @@ def test_process_engine_samples_like_the_in_process_one(tmp_path):
         remote.close()
 
 
+def test_process_engine_swaps_to_a_published_blob_and_refuses_one_that_does_not_fit(tmp_path):
+    """BatchingEngine hands a ProcessEngine the safetensors blob as published (tied head once);
+    the child decodes it. A blob that does not fit is refused and the served version stays."""
+    import asyncio
+
+    from safetensors.torch import save
+
+    from rollout_workers.engine import BatchingEngine, WeightsRejected
+    from rollout_workers.process_engine import ProcessEngine
+
+    create_tiny_llama(tmp_path / "a", ALPHABET, seed=0)
+    other, _ = create_tiny_llama(tmp_path / "b", ALPHABET, seed=1)
+    small, _ = create_tiny_llama(tmp_path / "c", ALPHABET, seed=1, hidden_size=32, layers=2, heads=2, intermediate_size=64)
+
+    def blob(model) -> bytes:
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        return save(state)
+
+    local, remote = ReferenceEngine(tmp_path / "b", seed=0), ProcessEngine(tmp_path / "a", seed=0)
+    engine = BatchingEngine(remote)
+    prompt = [local.encode("a = [1, 5]\nassert max(a) ==")]
+    greedy = dict(max_new_tokens=5, greedy=True)
+
+    async def go():
+        await engine.swap(blob(other), 3)
+        assert engine.version == 3
+        assert remote.generate(prompt, 1, **greedy)[0][0].token_ids == local.generate(prompt, 1, **greedy)[0][0].token_ids
+        with pytest.raises(WeightsRejected):
+            await engine.swap(blob(small), 4)  # wrong shapes: refused before it reaches the child
+        with pytest.raises(WeightsRejected):
+            remote.load_weights(b"\x08" + bytes(15), 5)  # not safetensors: refused by the child
+        assert engine.version == 3 and remote.generate(prompt, 1, **greedy)[0][0].policy_version == 3
+
+    try:
+        asyncio.run(go())
+    finally:
+        remote.close()
+
+
 def test_tempered_sampling_logprobs_match_the_learners_tempered_recomputation(engine):
     prompts = [engine.encode("a = [3, 1]\nassert min(a) ==")]
     groups = engine.generate(prompts, 4, max_new_tokens=6, temperature=0.6)
