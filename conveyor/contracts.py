@@ -262,6 +262,11 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
                 f"Rollout arrays disagree: {n} tokens, {len(self.behaviour_logprobs)} logprobs, "
                 f"{len(self.loss_mask)} mask entries"
             )
+        if n and not len(self.prompt_token_ids):
+            raise ValueError(
+                "Rollout has completion tokens but no prompt tokens: the first completion token is "
+                "predicted from the prompt's last position (engines start every prompt with at least one token)"
+            )
 
     @property
     def min_policy_version(self) -> int:

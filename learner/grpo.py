@@ -79,9 +79,18 @@ def completion_logprobs(
 
     A prompt that several sequences share (a GRPO group's samples) is run once:
     :func:`_shared_prefix_logprobs`."""
+    check_prompts(prompts, completions)
     if len({tuple(p) for p in prompts}) < len(prompts) and any(completions):
         return _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies)
     return _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies)
+
+
+def check_prompts(prompts: list[list[int]], completions: list[list[int]]) -> None:
+    """Refuse an empty prompt before a non-empty completion: its first token's log-prob is read
+    at the prompt's last position, which does not exist (it would silently read another row)."""
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        if len(c) and not len(p):
+            raise ValueError(f"sequence {i}: an empty prompt before {len(c)} completion tokens (a prompt needs at least one token, e.g. BOS)")
 
 
 def _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None) -> list[torch.Tensor]:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from learner.grpo import check_prompts
+
 
 @dataclass(frozen=True)
 class Pack:
@@ -197,6 +199,7 @@ def packed_completion_logprobs(
     tokens is appended to it; with ``token_entropies`` (a list), each sequence's per-token
     entropies (with gradient), one tensor per sequence in input order. ``share_prompts``: lay a
     shared prompt down once (None: whenever the attention kernel allows, :func:`shares_prompts`)."""
+    check_prompts(prompts, completions)
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
     flash = not shares_prompts(runner)

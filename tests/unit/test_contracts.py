@@ -115,6 +115,18 @@ def test_misaligned_rollout_arrays_are_rejected_on_decode():
         decode(msgspec.msgpack.encode(builtins), Rollout)
 
 
+def test_a_rollout_with_completion_tokens_and_no_prompt_tokens_is_rejected():
+    """The learner reads a completion's first log-prob at the prompt's last position: without
+    one it would read another row's. Refused at construction and on decode (dead letter)."""
+    with pytest.raises(ValueError, match="no prompt tokens"):
+        msgspec.structs.replace(make_rollout(), prompt_token_ids=int32_array([]))
+    builtins = msgspec.msgpack.decode(encode(make_rollout()))
+    builtins["prompt_token_ids"] = b""
+    with pytest.raises(DecodeError, match="no prompt tokens"):
+        decode(msgspec.msgpack.encode(builtins), Rollout)
+    assert len(msgspec.structs.replace(make_rollout(0), prompt_token_ids=int32_array([])).prompt_token_ids) == 0  # nothing to predict
+
+
 def test_packed_array_with_torn_bytes_is_rejected():
     builtins = msgspec.msgpack.decode(encode(make_rollout()))
     builtins["completion_token_ids"] = b"\x01\x02\x03"  # not a multiple of 4

@@ -203,3 +203,24 @@ def test_token_entropies_agree_on_every_path_and_the_bonus_raises_entropy(tmp_pa
     with torch.no_grad():
         grpo.completion_logprobs(model, prompts, completions, tok.pad_token_id, after, temps)
     assert after[0] > before + 1e-3, (before, after[0])
+
+
+def test_an_empty_prompt_before_completion_tokens_is_refused_on_every_path(tmp_path):
+    """A completion's first log-prob is read at its prompt's last position; an empty prompt has
+    none, and the padded and packed paths would silently read another row's. Both refuse it,
+    naming the sequence; an empty prompt with an empty completion has nothing to read."""
+    from learner import grpo
+    from learner.models import create_tiny_llama
+    from learner.packing import packed_completion_logprobs
+    from producers.suites.pyexpr import ALPHABET
+
+    model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    prompts, completions = [[5, 6, 7], [], [5, 6, 7]], [[8, 9], [10], [11]]
+    with torch.no_grad():
+        for run in (lambda: grpo.completion_logprobs(model, prompts, completions, tok.pad_token_id),  # a repeated prompt: shared path
+                    lambda: grpo.completion_logprobs(model, prompts[:2], completions[:2], tok.pad_token_id),  # whole sequences
+                    lambda: packed_completion_logprobs(model, prompts, completions)):  # fmt: skip
+            with pytest.raises(ValueError, match="sequence 1: an empty prompt"):
+                run()
+        out = grpo.completion_logprobs(model, [[5, 6, 7], []], [[8], []], tok.pad_token_id)
+        assert [len(t) for t in out] == [1, 0]
