@@ -71,15 +71,18 @@ def _timed(owner, name: str, totals: dict, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int = 1, keep_versions: int = 3) -> dict:
+def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int = 1, keep_versions: int = 3,
+            engine_process: bool = False) -> dict:
     import conveyor.demo as demo
     import learner.recipe
     import reward.scorers
+    import rollout_workers.process_engine
     import rollout_workers.reference_engine
 
     totals = {"train": 0.0, "generate": 0.0, "score": 0.0}
     _timed(learner.recipe.GRPOLearner, "_train_step", totals, "train")
-    _timed(rollout_workers.reference_engine.ReferenceEngine, "generate", totals, "generate")
+    engines = rollout_workers.process_engine.ProcessEngine if engine_process else rollout_workers.reference_engine.ReferenceEngine
+    _timed(engines, "generate", totals, "generate")  # in the child's case: the call's round trip
     _timed(reward.scorers, "score_batch", totals, "score")
     phase: dict = {}
     run_services = demo._run_services
@@ -93,7 +96,7 @@ def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, m
             phase["wall"] = time.monotonic() - phase["wall"]
 
     demo._run_services = measured
-    cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
+    cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, engine_process=engine_process, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
                           out_dir=out, run_id=f"stages-{mode}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")  # fmt: skip
     r = demo.run_demo(cfg)
     return {"steps": r.steps, "wall": phase["wall"], "cpu": phase["cpu"], **totals}
@@ -106,13 +109,15 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=800, help="the demo's default")
     ap.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's (the demo's default: 1)")
     ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
+    ap.add_argument("--engine-process", action="store_true", help="both runs sample in a child process (ProcessEngine)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     runs = {}
     for mode in ("sync", "async"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            r = runs[mode] = pool.submit(one_run, mode, args.seed, args.budget, args.warmup_steps, args.out, args.max_lag, args.keep_versions).result()
+            r = runs[mode] = pool.submit(one_run, mode, args.seed, args.budget, args.warmup_steps, args.out, args.max_lag, args.keep_versions,
+                                          args.engine_process).result()
         n = r["steps"]
         per = {k: r[k] / n * 1e3 for k in ("wall", "cpu", "train", "generate", "score")}
         rest = per["wall"] - per["train"] - per["generate"] - per["score"]

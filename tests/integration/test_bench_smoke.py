@@ -22,3 +22,9 @@ def test_packed_prompts_bench_smoke():
                           "--repeats", "1"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FIGURE packed_shared_prompt_speedup" in res.stdout
+
+
+def test_gil_contention_bench_smoke():
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gil_contention.py"), "--steps", "20"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FIGURE gil_threads_slowdown" in res.stdout and "FIGURE gil_processes_slowdown" in res.stdout
