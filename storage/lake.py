@@ -451,22 +451,28 @@ class LakeReader:
 
         with ThreadPoolExecutor(max(1, self.prefetch)) as pool:
             for table in pool.map(load, keys):  # map keeps order; up to `prefetch` parts in flight
-                mask = pc.invert(pc.is_in(table["rollout_id"], pa.array(list(seen), pa.string())))
+                mask = None
                 for column, lo, hi in (("policy_version_min", flt.policy_version_min, flt.policy_version_max),
                                        ("reward", flt.reward_min, flt.reward_max),
                                        ("scored_at", flt.scored_after, flt.scored_before)):  # fmt: skip
-                    if lo is not None:
-                        mask = pc.and_(mask, pc.greater_equal(table[column], lo))
-                    if hi is not None:
-                        mask = pc.and_(mask, pc.less_equal(table[column], hi))
+                    for bound, op in ((lo, pc.greater_equal), (hi, pc.less_equal)):
+                        if bound is not None:
+                            m = op(table[column], bound)
+                            mask = m if mask is None else pc.and_(mask, m)
                 if flt.verdicts is not None:
-                    mask = pc.and_(mask, pc.is_in(table["verdict"], pa.array(sorted(flt.verdicts), pa.string())))
-                table = table.filter(mask)
-                ids = table["rollout_id"].to_pylist()
-                if len(set(ids)) != len(ids):  # a part never holds an id twice, but be exact
-                    keep = [i for i, rid in enumerate(ids) if rid not in ids[:i]]
-                    table, ids = table.take(keep), [ids[i] for i in keep]
-                seen.update(ids)
+                    m = pc.is_in(table["verdict"], pa.array(sorted(flt.verdicts), pa.string()))
+                    mask = m if mask is None else pc.and_(mask, m)
+                if mask is not None:
+                    table = table.filter(mask)
+                # Each rollout once, first occurrence kept, as `iter`: a part's own ids against the
+                # set of those already yielded (work per part, not per rollout read so far).
+                keep = []
+                for i, rid in enumerate(table["rollout_id"].to_pylist()):
+                    if rid not in seen:
+                        seen.add(rid)
+                        keep.append(i)
+                if len(keep) < table.num_rows:
+                    table = table.take(keep)
                 if table.num_rows:
                     yield table
 

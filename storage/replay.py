@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from conveyor.contracts import ScoredRollout, to_builtins
 from conveyor.messaging import Delivery, Publisher
 from conveyor.transport.base import Record, TopicPartition, Transport
-from storage.lake import LakeFilter, LakeReader, table_from_rows
+from storage.lake import SCHEMA, LakeFilter, LakeReader, rows_from_table, table_from_rows
 
 
 async def replay_to_topic(
@@ -57,28 +57,22 @@ async def replay_to_topic(
 def export(reader: LakeReader, flt: LakeFilter, fmt: str, out: Path, *, batch: int = 1024) -> int:
     """Write matching rollouts to ``out`` as ``jsonl`` or ``parquet``; returns how many."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = reader.iter(flt)
     n = 0
     if fmt == "jsonl":
         with out.open("w") as fh:
-            for s in rows:
+            for s in reader.iter(flt):
                 fh.write(json.dumps(to_builtins(s), separators=(",", ":")) + "\n")
                 n += 1
         return n
     if fmt == "parquet":
-        writer = None
-        try:
-            while chunk := list(itertools.islice(rows, batch)):
-                table = table_from_rows(chunk)
-                if writer is None:
-                    writer = pq.ParquetWriter(str(out), table.schema, compression="zstd")
+        # Arrow tables straight from the parts (no Python object per row); a part written in an
+        # earlier layout is brought to the current schema through the row codec.
+        with pq.ParquetWriter(str(out), SCHEMA, compression="zstd") as writer:
+            for table in reader.iter_tables(flt):
+                if not table.schema.equals(SCHEMA):
+                    table = table_from_rows(rows_from_table(table))
                 writer.write_table(table)
-                n += len(chunk)
-        finally:
-            if writer is not None:
-                writer.close()
-        if writer is None:  # nothing matched: still write a valid, empty file
-            pq.write_table(table_from_rows([]), str(out))
+                n += table.num_rows
         return n
     raise ValueError(f"unknown export format {fmt!r}: jsonl or parquet")
 

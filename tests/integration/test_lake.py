@@ -5,11 +5,13 @@ and the learner's replay source."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.lake import LakeFilter, LakeReader, write_parts
+from storage.lake import SCHEMA, LakeFilter, LakeReader, parquet_bytes, part_key, rows_from_table, write_parts
 from unit.test_lake_codec import scored
 
 # `store` (local directory and SeaweedFS) comes from conftest.py.
@@ -17,6 +19,13 @@ from unit.test_lake_codec import scored
 
 def rows(lo, hi, version=3, **kw):
     return [scored(i, version=version, **kw) for i in range(lo, hi)]
+
+
+def both_ways(reader: LakeReader, flt: LakeFilter | None = None) -> list[str]:
+    """The rollout ids ``iter`` yields, checked equal (same order) to ``iter_tables``'s rows."""
+    ids = [s.rollout_id for s in reader.iter(flt)]
+    assert [rid for t in reader.iter_tables(flt) for rid in t["rollout_id"].to_pylist()] == ids
+    return ids
 
 
 def test_the_same_batch_twice_is_one_identical_object(store):
@@ -32,7 +41,7 @@ def test_the_same_batch_twice_is_one_identical_object(store):
 def test_overlapping_parts_read_each_rollout_once(store):
     write_parts(store, "r", rows(0, 8))
     write_parts(store, "r", rows(4, 12))  # a crashed sink's redelivery, grouped differently
-    got = [s.rollout_id for s in LakeReader(store, "r").iter()]
+    got = both_ways(LakeReader(store, "r"))
     assert len(got) == len(set(got)) == 12
 
 
@@ -47,14 +56,17 @@ def test_filters(store):
     cut = sorted(s.scored_at for s in all_rows)[5]
     assert all(s.scored_at <= cut for s in reader.iter(LakeFilter(scored_before=cut)))
     assert reader.stats()["rows"] == 16 and reader.stats()["policy_versions"] == [1, 2]
+    for flt in (LakeFilter(policy_version_min=2), LakeFilter(policy_version_max=1, reward_min=0.5), LakeFilter(reward_max=0.5),
+                LakeFilter(verdicts=frozenset({"pass"})), LakeFilter(scored_before=cut), LakeFilter(scored_after=cut)):  # fmt: skip
+        both_ways(reader, flt)
 
 
 def test_replay_is_deterministic(store):
     for lo in range(0, 40, 8):
         write_parts(store, "r", rows(lo, lo + 8, version=lo // 16))
     flt = LakeFilter(reward_min=0.3)
-    a = [s.rollout_id for s in LakeReader(store, "r", prefetch=1).iter(flt)]
-    b = [s.rollout_id for s in LakeReader(store, "r", prefetch=4).iter(flt)]
+    a = both_ways(LakeReader(store, "r", prefetch=1), flt)
+    b = both_ways(LakeReader(store, "r", prefetch=4), flt)
     assert a == b and len(a) == 37
 
 
@@ -67,7 +79,22 @@ def test_export_jsonl_and_parquet(store, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert lines[0]["t"] == "scored" and len(lines[0]["rollout"]["completion_token_ids"]) == 50
     assert export(reader, LakeFilter(reward_min=0.5), "parquet", tmp_path / "out.parquet") == 5
-    assert pq.read_table(tmp_path / "out.parquet").num_rows == 5
+    exported = pq.read_table(tmp_path / "out.parquet")
+    assert exported.schema.equals(SCHEMA) and rows_from_table(exported) == list(reader.iter(LakeFilter(reward_min=0.5)))
+    # A part in an earlier layout (loss mask as a uint8 list) is exported in the current schema.
+    old_rows = sorted(rows(20, 24, version=5), key=lambda r: r.rollout_id)  # as write_parts lays a part out
+    table = pq.read_table(io.BytesIO(parquet_bytes(old_rows)))
+    i = table.schema.get_field_index("loss_mask")
+    masks = pa.array([list(bytes(r.rollout.loss_mask)) for r in old_rows], pa.list_(pa.uint8()))
+    buf = io.BytesIO()
+    pq.write_table(table.set_column(i, pa.field("loss_mask", pa.list_(pa.uint8())), masks), buf)
+    store.put_if_absent(part_key("r", 5, [r.rollout_id for r in old_rows]), buf.getvalue())
+    assert export(reader, LakeFilter(), "parquet", tmp_path / "all.parquet") == 14
+    exported = pq.read_table(tmp_path / "all.parquet")
+    assert exported.schema.equals(SCHEMA) and rows_from_table(exported) == list(reader.iter())
+    assert rows_from_table(exported)[-4:] == old_rows
+    assert export(reader, LakeFilter(verdicts=frozenset({"pass"})), "parquet", tmp_path / "none.parquet") == 0
+    assert pq.read_table(tmp_path / "none.parquet").schema.equals(SCHEMA)
 
 
 def test_replay_source_has_the_subscriber_interface(store):
