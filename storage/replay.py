@@ -54,7 +54,7 @@ async def replay_to_topic(
     return sent
 
 
-def export(reader: LakeReader, flt: LakeFilter, fmt: str, out: Path, *, batch: int = 1024) -> int:
+def export(reader: LakeReader, flt: LakeFilter, fmt: str, out: Path) -> int:
     """Write matching rollouts to ``out`` as ``jsonl`` or ``parquet``; returns how many."""
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
