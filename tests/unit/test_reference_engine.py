@@ -106,9 +106,12 @@ def test_process_engine_swaps_to_a_published_blob_and_refuses_one_that_does_not_
     greedy = dict(max_new_tokens=5, greedy=True)
 
     async def go():
+        before = remote.generate(prompt, 1, **greedy)[0][0]
         await engine.swap(blob(other), 3)
         assert engine.version == 3
-        assert remote.generate(prompt, 1, **greedy)[0][0].token_ids == local.generate(prompt, 1, **greedy)[0][0].token_ids
+        got, want = remote.generate(prompt, 1, **greedy)[0][0], local.generate(prompt, 1, **greedy)[0][0]
+        assert got.token_ids == want.token_ids and torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+        assert got.token_ids != before.token_ids or not torch.allclose(torch.tensor(got.logprobs), torch.tensor(before.logprobs), atol=1e-3)
         with pytest.raises(WeightsRejected):
             await engine.swap(blob(small), 4)  # wrong shapes: refused before it reaches the child
         with pytest.raises(WeightsRejected):
