@@ -164,18 +164,11 @@ class BatchingEngine:
         self._aborted.add(request_id)  # running: its result is discarded when the batch ends
 
     async def swap(self, weights: bytes, version: int) -> None:
-        from safetensors.torch import load
-
         await self.start()
         if self._shapes is not None:
             check_weights(weights, self._shapes, tied={"lm_head.weight"})
-        if hasattr(self.inner, "load_weights"):  # an engine in another process decodes the blob itself
-            async with self._lock:
-                await asyncio.to_thread(self.inner.load_weights, weights, version)
-            return
-        state = await asyncio.to_thread(load, weights)
-        async with self._lock:
-            await asyncio.to_thread(self.inner.load_state_dict, state, version)
+        async with self._lock:  # between batches; the engine decodes the blob (in its own process, if it has one)
+            await asyncio.to_thread(self.inner.load_weights, weights, version)
 
     async def close(self) -> None:
         if self._runner is not None:

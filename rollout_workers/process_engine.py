@@ -14,7 +14,6 @@ import multiprocessing
 import threading
 from pathlib import Path
 
-from rollout_workers.engine import WeightsRejected
 from rollout_workers.reference_engine import Tokenizing
 
 
@@ -34,20 +33,8 @@ def _serve(conn, model_dir: str, seed: int, threads: int) -> None:
             elif op == "load":
                 engine.load_state_dict(*args)
                 conn.send(("ok", None))
-            elif op == "load_bytes":  # a safetensors blob: decoded here, not pickled tensor by tensor
-                from safetensors.torch import load
-
-                weights, version = args
-                try:
-                    state = load(weights)
-                except Exception as exc:  # noqa: BLE001 - refused, the engine serves on
-                    conn.send(("rejected", f"not a safetensors object: {exc}"))
-                    continue
-                try:
-                    engine.load_state_dict(state, version)
-                except (ValueError, RuntimeError) as exc:  # load_state_dict refuses before it copies
-                    conn.send(("rejected", str(exc)))
-                    continue
+            elif op == "load_bytes":  # a safetensors blob, decoded here; a refusal (WeightsRejected) is re-raised in the parent
+                engine.load_weights(*args)
                 conn.send(("ok", None))
             elif op == "close":
                 conn.send(("ok", None))
@@ -79,8 +66,6 @@ class ProcessEngine(Tokenizing):
             status, value = self._conn.recv()
         if status == "error":
             raise value
-        if status == "rejected":
-            raise WeightsRejected(value)
         return value
 
     def generate(self, prompts, n, **kwargs):

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from conveyor.hf import cache_keyword, left_padded
-from rollout_workers.engine import Completion
+from rollout_workers.engine import Completion, WeightsRejected
 
 
 class Tokenizing:
@@ -68,6 +68,20 @@ class ReferenceEngine(Tokenizing):
             if unexpected or set(missing) - tied:
                 raise ValueError(f"weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
             self.version = version
+
+    def load_weights(self, weights: bytes, version: int) -> None:
+        """Swap to a safetensors blob as the learner publishes it (a tied head stored once);
+        a blob that cannot be read or does not fit raises :class:`WeightsRejected`, nothing loaded."""
+        from safetensors.torch import load
+
+        try:
+            state = load(weights)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise WeightsRejected(f"not a safetensors object: {exc}") from None
+        try:
+            self.load_state_dict(state, version)
+        except (ValueError, RuntimeError) as exc:  # torch refuses a wrong shape before it copies
+            raise WeightsRejected(str(exc)) from None
 
     def generate(
         self,
