@@ -16,7 +16,7 @@ evaluation competes with the pipeline for the two cores while it runs.
 ``--eval-every S`` instead evaluates every S seconds inside the runs (the
 demo's own display; 100 problems), the method of the earlier figures.
 
-    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--max-lag 1] [--engine-process]
+    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--max-lag 1] [--engine-process] [--learner-process]
 
 With several seeds the figure is the geometric mean of the per-seed ratios
 (``async_speedup_total`` is the ratio of the summed times). Ends with
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--async-objective", default="behaviour", help="the asynchronous run's objective (behaviour or decoupled)")
     parser.add_argument("--engine-process", action="store_true", help="both runs sample in a child process")
+    parser.add_argument("--learner-process", action="store_true", help="both runs' learners step in a child process")
     parser.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's max_lag (the lock-step run has 0)")
     args = parser.parse_args()
 
@@ -120,8 +121,9 @@ def main() -> None:
                 keep_versions=1_000_000 if args.eval_every == 0 else 3,
                 out_dir=args.out,
                 # A fresh run id: an existing one would resume from that run's checkpoint.
-                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}-lag{0 if mode == 'sync' else args.max_lag}-{stamp}",
+                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}{'-lproc' if args.learner_process else ''}-lag{0 if mode == 'sync' else args.max_lag}-{stamp}",
                 engine_process=args.engine_process,
+                learner_process=args.learner_process,
                 max_lag=args.max_lag,
                 objective=args.async_objective if mode == "async" else "behaviour",
             )

@@ -17,7 +17,7 @@ every core in the lock-step run (the sandbox runs its jobs two at a time) gain
 nothing from overlapping; single-threaded ones (the learner, the engine, the
 event loop) gain up to the number of cores.
 
-    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag 1] [--keep-versions 3]
+    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag 1] [--keep-versions 3] [--engine-process] [--learner-process]
 
 Ends with ``FIGURE async_steps_per_s_ratio <v> x`` and ``FIGURE async_bound <v> x``.
 """
@@ -72,7 +72,7 @@ def _timed(owner, name: str, totals: dict, label: str) -> None:
 
 
 def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int = 1, keep_versions: int = 3,
-            engine_process: bool = False) -> dict:
+            engine_process: bool = False, learner_process: bool = False) -> dict:
     import conveyor.demo as demo
     import learner.recipe
     import reward.scorers
@@ -87,16 +87,22 @@ def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, m
     phase: dict = {}
     run_services = demo._run_services
 
-    async def measured(*a, **k):
+    learner_run = learner.recipe.GRPOLearner.run
+
+    async def started(self, *a, **k):  # the services start together: the RL phase starts here
         phase["cpu"], phase["wall"] = _busy_cpu_s(), time.monotonic()
+        return await learner_run(self, *a, **k)
+
+    async def measured(*a, **k):  # (building the services, a child process's start-up included, is not timed)
         try:
             return await run_services(*a, **k)
         finally:
             phase["cpu"] = _busy_cpu_s() - phase["cpu"]
             phase["wall"] = time.monotonic() - phase["wall"]
 
+    learner.recipe.GRPOLearner.run = started
     demo._run_services = measured
-    cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, engine_process=engine_process, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
+    cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, engine_process=engine_process, learner_process=learner_process, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
                           out_dir=out, run_id=f"stages-{mode}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")  # fmt: skip
     r = demo.run_demo(cfg)
     return {"steps": r.steps, "wall": phase["wall"], "cpu": phase["cpu"], **totals}
@@ -110,6 +116,7 @@ def main() -> None:
     ap.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's (the demo's default: 1)")
     ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
     ap.add_argument("--engine-process", action="store_true", help="both runs sample in a child process (ProcessEngine)")
+    ap.add_argument("--learner-process", action="store_true", help="both runs' learners step in a child process (StepProcess)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1
@@ -117,7 +124,7 @@ def main() -> None:
     for mode in ("sync", "async"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             r = runs[mode] = pool.submit(one_run, mode, args.seed, args.budget, args.warmup_steps, args.out, args.max_lag, args.keep_versions,
-                                          args.engine_process).result()
+                                          args.engine_process, args.learner_process).result()
         n = r["steps"]
         per = {k: r[k] / n * 1e3 for k in ("wall", "cpu", "train", "generate", "score")}
         rest = per["wall"] - per["train"] - per["generate"] - per["score"]

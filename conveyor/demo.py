@@ -52,6 +52,7 @@ class DemoConfig:
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
     engine_process: bool = False  # run the rollout worker's engine in a child process
+    learner_process: bool = False  # run the learner's optimizer steps in a child process (learner/step_process.py)
     lr: float = 5e-4
     heldout_size: int = 100
     eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs; 0: none
@@ -155,7 +156,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
         run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr, checkpoint_every=25,
         keep_versions=cfg.keep_versions, pack_tokens=cfg.pack_tokens,
-        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef),
+        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef), step_process=cfg.learner_process,
     )
     sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)

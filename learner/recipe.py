@@ -40,6 +40,11 @@ step is one readable function (``_train_step``).
   ``follow`` runs the collective half of each step (its share of the
   sequences, packs of equal count on every rank), of each weights
   publication and of each checkpoint, as rank 0 commands.
+- One process, steps elsewhere (``step_process``; ``learner/step_process.py``):
+  the optimizer steps run in a child process that holds the optimizer and
+  scheduler; this object keeps everything else and copies each step's
+  weights back, so that when every service shares one process (the demo)
+  training does not contend for the GIL with the event loop's services.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class GRPOLearner:
         micro_batch: int = 0,
         stale_decay: float = 0.0,
         ranks: RankGroup | None = None,
+        step_process: bool = False,
     ) -> None:
         import torch
 
@@ -159,6 +165,15 @@ class GRPOLearner:
         self._last_step: dict = {}  # reward and staleness of the last step, for the progress topic
         self._started = time.monotonic()
         self._publishing: asyncio.Task | None = None  # the last step's weights publication and progress report
+        self._steps = None  # learner.step_process.StepProcess: the optimizer steps run in a child process
+        if step_process:
+            if ranks is not None:
+                raise ValueError("learner.step_process does not combine with several ranks (each rank already is a process)")
+            from learner.step_process import StepProcess
+
+            self._steps = StepProcess(model, pad_id, dict(run_dir=self.run_dir, lr=lr, loss=loss, warmup_steps=warmup_steps,
+                                                          pack_tokens=pack_tokens, micro_batch=micro_batch),
+                                      threads=torch.get_num_threads())  # fmt: skip
 
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
@@ -178,6 +193,12 @@ class GRPOLearner:
                 await self._loop(stop, sub, weights_pub, progress_pub)
         if self.ranks is not None:
             await asyncio.to_thread(self.ranks.command, "stop")
+        self.close()
+
+    def close(self) -> None:
+        """Stop the step process, if any (the model here keeps the last weights)."""
+        if self._steps is not None:
+            self._steps.close()  # a step after this raises: the optimizer state was the child's
 
     def follow(self) -> None:
         """On a rank other than 0: take part in every collective operation rank 0 runs
@@ -402,6 +423,10 @@ class GRPOLearner:
         same ``work`` and trains its share)."""
         import torch
 
+        if self._steps is not None:
+            stats, weights = self._steps.step(work)
+            self._copy_weights(weights)
+            return stats
         loss, stats = self._accumulate(**work)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm is a replicated DTensor
@@ -409,6 +434,16 @@ class GRPOLearner:
         self.optimizer.step()
         self.scheduler.step()
         return dict(stats, loss=loss, grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+
+    def _copy_weights(self, weights: bytes) -> None:
+        """Take the step process's new weights (as ``_gather_weights`` gives them) into this model."""
+        import torch
+        from safetensors.torch import load
+
+        live = self._hf.state_dict()
+        with torch.no_grad():
+            for name, tensor in load(weights).items():
+                live[name].copy_(tensor)
 
     def _micro_batches(self, prompts, completions) -> list[list[int]]:
         """Sequence indices of each forward/backward pass this process runs.
@@ -604,6 +639,8 @@ class GRPOLearner:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+        if self._steps is not None:  # the child trains on: it resumes from what was loaded here
+            self._steps.load(*self._gather_state(), self.scheduler.state_dict())
         self.step = self.resumed_from = state["step"]
         # Versions the lost steps announced must not be reused for other weights.
         self.version = max(state["version"], self._latest_published_version())
@@ -632,12 +669,16 @@ class GRPOLearner:
         if self.ranks is not None:
             await asyncio.to_thread(self.ranks.command, "checkpoint")
         # Full, FQN-keyed state dicts (gathered from every rank): a checkpoint written by N ranks resumes on M.
-        model_state, optimizer_state = await asyncio.to_thread(self._gather_state)
+        if self._steps is not None:  # the child's optimizer and scheduler are the ones that step
+            model_state, optimizer_state, scheduler_state = await asyncio.to_thread(self._steps.state)
+        else:
+            model_state, optimizer_state = await asyncio.to_thread(self._gather_state)
+            scheduler_state = self.scheduler.state_dict()
         state = {
             "layout": "full-fqn",
             "model": model_state,
             "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": scheduler_state,
             "step": self.step,
             "version": self.version,
             "samples_consumed": self.samples_consumed,

@@ -104,6 +104,7 @@ def demo(
     warmup_noise: float = typer.Option(0.7, help="How often the warm-up teacher is wrong on the expressions it confuses."),
     max_lag: int = typer.Option(1, help="Policy versions a sample may lag the learner."),
     engine_process: bool = typer.Option(False, "--engine-process", help="Sample in a child process (no GIL contention with the learner)."),
+    learner_process: bool = typer.Option(False, "--learner-process", help="Run the learner's optimizer steps in a child process."),
     objective: str = typer.Option("behaviour", help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
     entropy_coef: float = typer.Option(0.0, help="Weight of the policy's entropy as a bonus in the objective."),
     target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
@@ -116,7 +117,7 @@ def demo(
     cfg = DemoConfig(
         seed=seed, engine=engine, sync=sync, rl_budget_s=budget, max_steps=max_steps, warmup_steps=warmup_steps,
         warmup_noise=warmup_noise,
-        max_lag=max_lag, objective=objective, entropy_coef=entropy_coef, engine_process=engine_process, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
+        max_lag=max_lag, objective=objective, entropy_coef=entropy_coef, engine_process=engine_process, learner_process=learner_process, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
     )
     display = make_display(sys.stderr.isatty())
     try:

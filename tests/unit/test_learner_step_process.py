@@ -1,0 +1,112 @@
+"""The learner's optimizer steps in a child process (learner/step_process.py) train exactly as in process."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from conveyor.topics import Topics
+from conveyor.transport.memory import MemoryTransport
+from learner.recipe import GRPOLearner
+from storage.objectstore import LocalObjectStore
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+
+    return create_tiny_llama(tmp_path_factory.mktemp("m"), ALPHABET, seed=0)
+
+
+def _batch(step: int) -> list:
+    """Two groups of four scored rollouts with rewards that differ inside each group."""
+    from conveyor.contracts import Rollout, ScoredRollout, Task, VersionSegment, rollout_id
+
+    g = torch.Generator().manual_seed(step)
+    groups = []
+    for t in range(2):
+        task_id = f"s{step}-t{t}"
+        task = Task(task_id=task_id, run_id="r", prompt="p", group_size=4)
+        prompt = torch.randint(3, 30, (5,), generator=g).tolist()
+        group = []
+        for i in range(4):
+            c = torch.randint(3, 30, (2 + i,), generator=g).tolist()
+            group.append(ScoredRollout(rollout=Rollout(
+                rollout_id=rollout_id(task_id, i), task_id=task_id, run_id="r", sample_index=i, group_size=4,
+                prompt_token_ids=prompt, completion_token_ids=c, behaviour_logprobs=(-torch.rand(len(c), generator=g) - 1).tolist(),
+                loss_mask=[1] * len(c), version_segments=[VersionSegment(start=0, end=len(c), policy_version=0)], task=task,
+            ), reward=float(i % 2), verdict="pass" if i % 2 else "fail"))  # fmt: skip
+        groups.append(group)
+    return groups
+
+
+def _learner(model, tok, tmp_path, **kw) -> GRPOLearner:
+    return GRPOLearner(MemoryTransport(), Topics("r"), copy.deepcopy(model), tok.pad_token_id, LocalObjectStore(tmp_path / "o"),
+                       run_dir=tmp_path, max_lag=100, lr=1e-2, warmup_steps=3, **kw)  # fmt: skip
+
+
+def _weights(lrn: GRPOLearner) -> dict:
+    return {k: v.detach().clone() for k, v in lrn.model.state_dict().items()}
+
+
+def test_steps_in_a_child_process_equal_steps_in_process(tiny, tmp_path):
+    model, tok = tiny
+    here, there = _learner(model, tok, tmp_path / "a"), _learner(model, tok, tmp_path / "b", step_process=True)
+    try:
+        for step in range(3):
+            a, b = here._train_step(_batch(step)), there._train_step(_batch(step))
+            for key in ("loss", "grad_norm", "lr", "importance_mean", "clip_fraction", "tokens", "entropy"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        wa, wb = _weights(here), _weights(there)
+        assert any(not torch.equal(wa[k], _weights(_learner(model, tok, tmp_path / "c"))[k]) for k in wa)  # they trained
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=k)
+        # The tied LM head follows the embedding it shares storage with.
+        assert there.model.lm_head.weight.data_ptr() == there.model.model.embed_tokens.weight.data_ptr()
+    finally:
+        there.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        there._train_step(_batch(9))
+
+
+def test_a_checkpoint_holds_the_child_optimizer_and_a_resume_continues_it(tiny, tmp_path):
+    model, tok = tiny
+    first = _learner(model, tok, tmp_path, step_process=True)
+    try:
+        for step in range(2):
+            first._train_step(_batch(step))
+        first.version = 2
+        asyncio.run(first.checkpoint())
+        resumed = _learner(model, tok, tmp_path, step_process=True)
+        try:
+            assert resumed.resume() and resumed.step == 2
+            for k, v in _weights(first).items():
+                assert torch.equal(_weights(resumed)[k], v), k
+            # The third step needs the child's Adam moments and learning-rate schedule, not fresh ones.
+            a, b = first._train_step(_batch(2)), resumed._train_step(_batch(2))
+            assert b["lr"] == a["lr"] and b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+            wa, wb = _weights(first), _weights(resumed)
+            for k in wa:
+                torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=1e-7)
+        finally:
+            resumed.close()
+        fresh = _learner(model, tok, tmp_path / "fresh")  # what a resume without the optimizer state would give
+        for step in range(2):
+            fresh._train_step(_batch(step))
+        fresh.optimizer = torch.optim.AdamW(fresh.model.parameters(), lr=1e-2, weight_decay=0.0)
+        fresh._train_step(_batch(2))
+        assert any(not torch.allclose(_weights(fresh)[k], wa[k], atol=1e-6) for k in wa)
+    finally:
+        first.close()
+
+
+def test_step_process_refuses_several_ranks(tiny, tmp_path):
+    from learner.distributed import RankGroup
+
+    model, tok = tiny
+    with pytest.raises(ValueError, match="step_process"):
+        _learner(model, tok, tmp_path, step_process=True, ranks=RankGroup(0, 2, None))
