@@ -163,7 +163,6 @@ class GRPOLearner:
         self._consumed_records: list = []  # records trained on or dropped since the last commit
         self._reported, self._reported_at = 0, 0.0  # samples_consumed last published on the progress topic
         self._last_step: dict = {}  # reward and staleness of the last step, for the progress topic
-        self._started = time.monotonic()
         self._publishing: asyncio.Task | None = None  # the last step's weights publication and progress report
         self._steps = None  # learner.step_process.StepProcess: the optimizer steps run in a child process
         if step_process:
@@ -174,6 +173,7 @@ class GRPOLearner:
             self._steps = StepProcess(model, pad_id, dict(run_dir=self.run_dir, lr=lr, loss=loss, warmup_steps=warmup_steps,
                                                           pack_tokens=pack_tokens, micro_batch=micro_batch),
                                       threads=torch.get_num_threads())  # fmt: skip
+        self._started = time.monotonic()  # the metrics' wall_s (after the step process's start-up)
 
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
