@@ -374,6 +374,8 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
                 asyncio.run(engine.close())
             elif cfg.engine_process:
                 engine.close()
+            if "learner" in ctx:  # its step process, if any (a clean stop closed it already)
+                ctx["learner"].close()
             sandbox.close()
         learner = ctx["learner"]
         if not ctx["evals"] or ctx["evals"][-1]["version"] != learner.version:
