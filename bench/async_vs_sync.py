@@ -16,7 +16,7 @@ evaluation competes with the pipeline for the two cores while it runs.
 ``--eval-every S`` instead evaluates every S seconds inside the runs (the
 demo's own display; 100 problems), the method of the earlier figures.
 
-    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--max-lag 1] [--engine-process] [--learner-process]
+    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--max-lag 1] [--no-engine-process] [--no-learner-process]
 
 With several seeds the figure is the geometric mean of the per-seed ratios
 (``async_speedup_total`` is the ratio of the summed times). Ends with
@@ -101,8 +101,8 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=300, help="held-out problems per evaluation (after the runs)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--async-objective", default="behaviour", help="the asynchronous run's objective (behaviour or decoupled)")
-    parser.add_argument("--engine-process", action="store_true", help="both runs sample in a child process")
-    parser.add_argument("--learner-process", action="store_true", help="both runs' learners step in a child process")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True, help="both runs sample in a child process (the demo's default; --no-engine-process: in process)")
+    parser.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=True, help="both runs' learners step in a child process (the demo's default; --no-learner-process: in process)")
     parser.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's max_lag (the lock-step run has 0)")
     args = parser.parse_args()
 

@@ -7,8 +7,9 @@ width 96 on a batch of 128; one torch thread) alone, then two copies as two
 threads of one process, then as two processes, and prints each copy's wall
 time against the loop alone. On two cores two processes run at full speed;
 two threads serialise on the GIL (and hand it back and forth, which costs
-more than running them one after the other). It is why the rollout engine
-can run in a child process (``conveyor demo --engine-process``).
+more than running them one after the other). It is why the demo runs the
+rollout engine and the learner's steps in child processes by default
+(``conveyor demo --engine-in-process --learner-in-process`` keeps them threads).
 
     python bench/gil_contention.py [--steps 1500]
 

@@ -17,7 +17,7 @@ every core in the lock-step run (the sandbox runs its jobs two at a time) gain
 nothing from overlapping; single-threaded ones (the learner, the engine, the
 event loop) gain up to the number of cores.
 
-    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag 1] [--keep-versions 3] [--engine-process] [--learner-process]
+    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag 1] [--keep-versions 3] [--no-engine-process] [--no-learner-process]
 
 Ends with ``FIGURE async_steps_per_s_ratio <v> x`` and ``FIGURE async_bound <v> x``.
 """
@@ -115,8 +115,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=800, help="the demo's default")
     ap.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's (the demo's default: 1)")
     ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
-    ap.add_argument("--engine-process", action="store_true", help="both runs sample in a child process (ProcessEngine)")
-    ap.add_argument("--learner-process", action="store_true", help="both runs' learners step in a child process (StepProcess)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True, help="both runs sample in a child process (ProcessEngine) (the demo's default; --no-engine-process: in process)")
+    ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=True, help="both runs' learners step in a child process (StepProcess) (the demo's default; --no-learner-process: in process)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1

@@ -51,8 +51,11 @@ class DemoConfig:
     max_lag: int = 1
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
-    engine_process: bool = False  # run the rollout worker's engine in a child process
-    learner_process: bool = False  # run the learner's optimizer steps in a child process (learner/step_process.py)
+    # The engine and the learner's optimizer steps each in a child process (rollout_workers/process_engine.py,
+    # learner/step_process.py): as threads of one process they contend for the GIL with each other and with
+    # the event loop's services (docs/BENCHMARKS.md, "Both torch loops in child processes by default").
+    engine_process: bool = True
+    learner_process: bool = True
     lr: float = 5e-4
     heldout_size: int = 100
     eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs; 0: none

@@ -18,3 +18,34 @@ def test_refused_with_the_option_named(tmp_path, kw, needle):
     with pytest.raises(SystemExit, match=needle):
         run_demo(DemoConfig(out_dir=tmp_path, **kw))
     assert list(tmp_path.iterdir()) == []  # refused before any run directory or object was written
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("args", "engine_process", "learner_process"),
+    [
+        ([], True, True),  # the default: both torch loops in child processes
+        (["--engine-in-process"], False, True),
+        (["--learner-in-process"], True, False),
+        (["--engine-in-process", "--learner-in-process"], False, False),
+    ],
+)
+def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engine_process, learner_process):
+    import conveyor.demo
+    from typer.testing import CliRunner
+
+    from conveyor.cli.main import app
+
+    seen = {}
+
+    def capture(cfg, display=None):
+        seen["cfg"] = cfg
+        raise _Captured  # the options are what is tested here; the demo itself runs in tests/integration/test_demo.py
+
+    monkeypatch.setattr(conveyor.demo, "run_demo", capture)
+    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), *args])
+    assert isinstance(result.exception, _Captured), result.output
+    assert (seen["cfg"].engine_process, seen["cfg"].learner_process) == (engine_process, learner_process)
