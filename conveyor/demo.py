@@ -1,4 +1,4 @@
-"""``conveyor demo``: the whole pipeline in one process, learning visibly.
+"""``conveyor demo``: the whole pipeline on one machine, learning visibly.
 
 1. Creates a small Llama-architecture model with a character tokenizer (HF
    format, so transformers and vLLM load the same directory) and warms it up
@@ -10,7 +10,10 @@
    scored -> learner (GRPO, PPO-clip against behaviour logprobs) -> weights
    (object store + weights topic) -> rollout worker; the storage sink writes
    every scored rollout to the lake. An evaluator measures held-out greedy
-   pass rate on announced versions.
+   pass rate on announced versions. The services share one process and its
+   event loop; the engine's sampling and the learner's optimizer steps run in
+   two child processes (``engine_process``, ``learner_process``), so the two
+   torch loops share no GIL.
 3. Shows progress, writes ``runs/<run>/report.png`` and metrics, and prints
    the FIGURE lines.
 

@@ -111,7 +111,7 @@ def demo(
     eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end)."),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
-    """Run the whole pipeline in one process and watch a policy learn."""
+    """Run the whole pipeline on this machine (the services in one process) and watch a policy learn."""
     from conveyor.demo import DemoConfig, make_display, run_demo
 
     cfg = DemoConfig(
