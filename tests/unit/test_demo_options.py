@@ -35,6 +35,7 @@ class _Captured(Exception):
 )
 def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engine_process, learner_process):
     import conveyor.demo
+    import conveyor.logging
     from typer.testing import CliRunner
 
     from conveyor.cli.main import app
@@ -46,6 +47,9 @@ def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engi
         raise _Captured  # the options are what is tested here; the demo itself runs in tests/integration/test_demo.py
 
     monkeypatch.setattr(conveyor.demo, "run_demo", capture)
+    # The CLI's callback would point structlog and logging at CliRunner's stderr, which is closed
+    # after the invocation: later tests' log lines would fail on it.
+    monkeypatch.setattr(conveyor.logging, "configure_logging", lambda *a, **kw: None)
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), *args])
     assert isinstance(result.exception, _Captured), result.output
     assert (seen["cfg"].engine_process, seen["cfg"].learner_process) == (engine_process, learner_process)
