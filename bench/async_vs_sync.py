@@ -101,8 +101,8 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=300, help="held-out problems per evaluation (after the runs)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--async-objective", default="behaviour", help="the asynchronous run's objective (behaviour or decoupled)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True, help="both runs sample in a child process (the demo's default; --no-engine-process: in process)")
-    parser.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=True, help="both runs' learners step in a child process (the demo's default; --no-learner-process: in process)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DemoConfig.engine_process, help="both runs sample in a child process (the demo's default: %(default)s; --no-engine-process: in process)")
+    parser.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (the demo's default: %(default)s; --no-learner-process: in process)")
     parser.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's max_lag (the lock-step run has 0)")
     args = parser.parse_args()
 

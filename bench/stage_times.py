@@ -71,8 +71,8 @@ def _timed(owner, name: str, totals: dict, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int = 1, keep_versions: int = 3,
-            engine_process: bool = False, learner_process: bool = False) -> dict:
+def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int, keep_versions: int,
+            engine_process: bool, learner_process: bool) -> dict:
     import conveyor.demo as demo
     import learner.recipe
     import reward.scorers
@@ -115,8 +115,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=800, help="the demo's default")
     ap.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's (the demo's default: 1)")
     ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
-    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True, help="both runs sample in a child process (ProcessEngine) (the demo's default; --no-engine-process: in process)")
-    ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=True, help="both runs' learners step in a child process (StepProcess) (the demo's default; --no-learner-process: in process)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True, help="both runs sample in a child process (ProcessEngine; the demo's default; --no-engine-process: in process)")
+    ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=True, help="both runs' learners step in a child process (StepProcess; the demo's default; --no-learner-process: in process)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1
