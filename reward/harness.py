@@ -11,26 +11,37 @@ where the project's environment is not mounted. Request on stdin::
                 "tmp_mb": 16, "nproc": 64, "file_mb": 4, "open_files": 64},
      "parallel": 2}
 
-Per job, two processes::
+Per parallel slot, one supervisor; per job, one model process::
 
     harness ── supervisor S  (clone into new mount/pid/ipc namespaces: pid 1 of its own)
-                  └── model process M (pid 2): no capabilities,
+                  └── model process M (a fresh IPC namespace): no capabilities,
                       no_new_privs, not dumpable, seccomp, rlimits
 
-S mounts a private, size-limited tmpfs working directory (or uses the
-workspace overlay bwrap mounted), hides ``/proc``, and — for jobs with tests
-— bind-mounts the job's tests read-only at ``/tests`` only after M reports
-that the solution's own code has finished. When S exits (M done, or the
-harness SIGKILLs S on a timeout) the kernel kills every process left in the
-namespace: no daemon survives its job.
+S serves its slot's jobs one at a time: the harness sends it a job and the
+write ends of the job's output pipes over a unix socket (``SCM_RIGHTS``).
+For each job S mounts fresh, size-limited tmpfs directories (``/tmp``,
+``/dev/shm``, the working directory ``/w`` unless the job runs in the
+workspace overlay bwrap mounted) and forks M. When M is done, S kills every
+process left in its pid namespace (``kill(-1)`` from pid 1 reaches all of
+them and nothing outside), reaps them, unmounts the job's tmpfs and only
+then reports M's exit status: no daemon and no file survives its job. Jobs
+with tests get the test source from S over a pipe only after M reports
+that the solution's own code has finished; ``/t``, where the sandbox put
+every job's tests, is hidden under an empty tmpfs before any M exists (S
+keeps a directory descriptor to it). ``/proc`` is hidden the same way.
+On a timeout or an output overrun the harness SIGKILLs S: the kernel kills
+everything in its namespace, and the slot's next job gets a new S.
+
+A job used to get a supervisor and namespaces of its own (two processes
+per job); its start-up, exit and copy-on-write faults were half of a job's
+CPU on small programs. A slot's S now lives as long as the harness (warm
+mode) or the batch.
 
 S is created by the ``clone`` system call with the namespace flags (fork
 semantics: the child resumes where the parent called it), not by ``unshare``
 and ``fork``: ``unshare(CLONE_NEWPID)`` only applies to the caller's *next*
-child and cannot be repeated, so it would need a throwaway relay process per
-job (a third fork, exit and copy-on-write faults: a quarter of a job's CPU
-here). On an architecture without a known ``clone`` number the relay is used.
-Jobs of one batch share nothing but the harness's (read-only) code.
+child, so it would need a relay process that stays alive as S's parent. On an
+architecture without a known ``clone`` number the relay is used.
 """
 
 import ast
@@ -40,6 +51,8 @@ import os
 import resource
 import select
 import signal
+import socket
+import struct
 import sys
 import time
 import traceback
@@ -52,14 +65,16 @@ _PYLIBC = ctypes.PyDLL(None, use_errno=True)
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_REC, MS_PRIVATE = 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_CAPBSET_DROP = 1, 4, 22, 24
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+MNT_DETACH = 2
 SECCOMP_MODE_FILTER = 2
 MEMORY_EXIT = 137  # M's exit code after a MemoryError
 SOLUTION = "solution.py"
 
-JOBS = {}  # the batch; cleared in every model process before it runs model code
+JOBS = {}  # the batch; cleared in every supervisor and model process
+SLOTS = []  # the supervisors, one per parallel slot (None: not started yet)
 
 
 class _SockFprog(ctypes.Structure):
@@ -147,22 +162,26 @@ def _run_tests(ns, tests_src, style, filename):
     return outcomes
 
 
+def close_fds_except(keep):
+    low = 0
+    for fd in sorted(keep):
+        if fd > low:  # closerange(n, n) would close everything from n on
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 4096)
+
+
 def _model(job, lim, bpf, fds):
     out_w, err_w, rep_w, ready_w, go_r = fds
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
-    keep = sorted({1, 2, rep_w, ready_w, go_r})
-    low = 3
-    for fd in keep:
-        if fd >= low:
-            os.closerange(low, fd)
-            low = fd + 1
-    os.closerange(low, 4096)
+    close_fds_except({0, 1, 2, rep_w, ready_w, go_r})
     os.setsid()
     JOBS.clear()
     os.chdir(job["cwd"])
     env = {"PATH": "/usr/bin:/bin", "HOME": job["cwd"], "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     try:
+        _ok(LIBC.unshare(CLONE_NEWIPC), "unshare ipc")  # System V objects die with the job
         _limits(lim)
         _drop_privileges(bpf)
     except OSError as exc:
@@ -201,12 +220,14 @@ def _model(job, lim, bpf, fds):
         tests = job.get("tests")
         if tests:
             os.write(ready_w, b"1")
-            if os.read(go_r, 1) != b"1":
-                os._exit(1)
+            with os.fdopen(go_r, "rb") as fh:
+                sent = fh.read()
+            if not sent.startswith(b"1"):  # the supervisor could not read them
+                os.write(2, sent[1:] or b"sandbox: no tests arrived\n")
+                os._exit(125)
             path = "/tests/" + tests["file"]
             try:
-                with open(path) as fh:
-                    src = fh.read()
+                src = sent[1:].decode()
                 outcomes = _run_tests(ns, src, tests.get("style", "assert"), path)
             except MemoryError:
                 os._exit(MEMORY_EXIT)
@@ -226,27 +247,56 @@ def _model(job, lim, bpf, fds):
 
 
 # --------------------------------------------------------------------------
-# the supervisor (pid 1 of the job's namespaces) and the relay
+# the supervisor: pid 1 of a slot's namespaces, one job at a time
 
 
-def _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w):
-    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    os.setsid()  # kill(0, ...) from the job must not reach the harness's process group
-    _mount(None, b"/", None, MS_REC | MS_PRIVATE)
-    _mount(b"tmpfs", b"/proc", b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0555")
+def _recv_exact(sock, n, first=b""):
+    data = bytearray(first)
+    while len(data) < n:
+        chunk = sock.recv(min(n - len(data), 1 << 20))
+        if not chunk:
+            raise EOFError("the harness closed the slot mid-message")
+        data += chunk
+    return bytes(data)
+
+
+def _receive(sock):
+    """The next job and the write ends of its pipes; None when the harness closed the slot."""
+    head, fds, flags, _ = socket.recv_fds(sock, 8, 4)
+    if not head:
+        return None
+    if flags & socket.MSG_CTRUNC or len(fds) != 4:
+        raise OSError("a job arrived without its four pipes")
+    (size,) = struct.unpack("!Q", _recv_exact(sock, 8, head))
+    request = json.loads(_recv_exact(sock, size))
+    return request["job"], request["limits"], fds
+
+
+def _fresh_tmpfs(path, flags, opts):
+    _mount(b"tmpfs", path, b"tmpfs", flags, opts)
+    return path
+
+
+def _read_tests(tests_dir_fd, tests):
+    fd = os.open("%s/%s" % (tests["dir"], tests["file"]), os.O_RDONLY, dir_fd=tests_dir_fd)
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read()
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _serve_job(job, lim, bpf, tests_dir_fd, fds):
+    """Run one job in this namespace; leave nothing of it behind; report M's status."""
+    out_w, err_w, rep_w, status_w = fds
     opts = ("size=%dm,mode=0700,nr_inodes=4096" % int(lim.get("tmp_mb", 16))).encode()
-    _mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts)
-    _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
+    mounts = [_fresh_tmpfs(b"/tmp", MS_NOSUID | MS_NODEV, opts),
+              _fresh_tmpfs(b"/dev/shm", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)]  # fmt: skip
     if job["cwd"] == "/w":
-        _mount(b"tmpfs", b"/w", b"tmpfs", MS_NOSUID | MS_NODEV, opts)
-    tests = job.get("tests")
-    if tests:
-        # The job's tests stay bind-mounted under a name only S knows; everything
-        # else under /t is hidden now, the job's own directory after the solution ran.
-        _mount(("/t/" + tests["dir"]).encode(), b"/tests", None, MS_BIND)
-        _mount(None, b"/tests", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        _mount(b"tmpfs", b"/tests", b"tmpfs", MS_RDONLY, b"size=4k,mode=0555")
-    _mount(b"tmpfs", b"/t", b"tmpfs", MS_RDONLY, b"size=4k,mode=0555")
+        mounts.append(_fresh_tmpfs(b"/w", MS_NOSUID | MS_NODEV, opts))
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -257,61 +307,161 @@ def _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w):
         _model(job, lim, bpf, (out_w, err_w, rep_w, ready_w, go_r))
     for fd in (out_w, err_w, rep_w, ready_w, go_r):
         os.close(fd)
-    if tests:
-        if os.read(ready_r, 1) == b"1":
-            _ok(LIBC.umount2(b"/tests", 0), "umount tests cover")
-            os.write(go_w, b"1")
-    while True:  # pid 1 reaps every orphan; stop when M is done
+    tests = job.get("tests")
+    if tests and os.read(ready_r, 1) == b"1":  # the solution's own code has finished
         try:
-            wpid, status, usage = os.wait4(-1, 0)
+            sent = b"1" + _read_tests(tests_dir_fd, tests)
+        except OSError as exc:
+            sent = ("0sandbox: cannot read the tests: %s\n" % exc).encode()
+        try:
+            _write_all(go_w, sent)
+        except BrokenPipeError:  # M is gone (killed, or exited on its own)
+            pass
+    os.close(ready_r)
+    os.close(go_w)
+    status = None
+    while status is None:  # as pid 1, reap every orphan too; stop when M is done
+        wpid, code, usage = os.wait4(-1, 0)
+        if wpid == pid:
+            status = {"status": code, "maxrss_kb": usage.ru_maxrss}
+    try:
+        os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of this namespace, nothing outside it
+    except ProcessLookupError:  # none left
+        pass
+    while True:
+        try:
+            os.wait4(-1, 0)
         except ChildProcessError:
             break
-        if wpid == pid:
-            os.write(status_w, json.dumps({"status": status, "maxrss_kb": usage.ru_maxrss}).encode())
-            break
-    os._exit(0)  # as pid 1: the kernel now kills whatever M left behind
+    for path in mounts:  # its files go with it
+        _ok(LIBC.umount2(path, MNT_DETACH), "umount %s" % path.decode())
+    os.write(status_w, json.dumps(status).encode())
+    os.close(status_w)
 
 
-def _write_ends(pipes):
-    """In a job's first child: close the harness's read ends, keep the write ends."""
-    for r, _ in pipes:
-        os.close(r)
-    return [w for _, w in pipes]
+def _supervisor(ctl_fd, bpf):
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.setsid()  # kill(0, ...) from a job must not reach the harness's process group
+    JOBS.clear()
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)  # not the harness's request pipe: a job's stdin reads nothing
+    os.dup2(null, 1)
+    close_fds_except({0, 1, 2, ctl_fd})  # nothing of the harness's other jobs and slots stays open here
+    _mount(None, b"/", None, MS_REC | MS_PRIVATE)
+    _mount(b"tmpfs", b"/proc", b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=0555")
+    # Every job's tests are under /t: S keeps a descriptor to it, no job sees it.
+    tests_dir_fd = os.open("/t", os.O_RDONLY | os.O_DIRECTORY)
+    _mount(b"tmpfs", b"/t", b"tmpfs", MS_RDONLY, b"size=4k,mode=0555")
+    sock = socket.socket(fileno=ctl_fd)
+    while True:
+        got = _receive(sock)
+        if got is None:
+            os._exit(0)
+        job, lim, fds = got
+        _serve_job(job, lim, bpf, tests_dir_fd, fds)  # raises: the job gets no status (infra), the slot ends
 
 
-def _clone_supervisor(job, lim, bpf, pipes):
-    """Start S as pid 1 of new mount, pid and IPC namespaces; returns its pid (in ours)."""
+def _report_failure(what, exc):
+    try:
+        os.write(2, ("%s: %s\n" % (what, exc)).encode())
+    except OSError:
+        pass
+
+
+def _start_supervisor(ctl_fd, bpf):
+    """S as pid 1 of new mount, pid and IPC namespaces, serving ``ctl_fd``; returns the pid to kill."""
+    if SYS_CLONE is None:
+        return _start_relay(ctl_fd, bpf)
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | signal.SIGCHLD
     pid = _PYLIBC.syscall(SYS_CLONE, flags, 0, 0, 0, 0)
     if pid < 0:
         err = ctypes.get_errno()
         raise OSError(err, "clone: %s" % os.strerror(err))
     if pid == 0:
-        out_w, err_w, rep_w, status_w = _write_ends(pipes)
         try:
-            _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w)
+            _supervisor(ctl_fd, bpf)
         except BaseException as exc:  # noqa: BLE001
-            os.write(err_w, ("sandbox supervisor failed: %s\n" % exc).encode())
-        os._exit(125)
+            _report_failure("sandbox supervisor failed", exc)
+        finally:
+            os._exit(125)  # never back into the harness's code
     return pid
 
 
-def _relay(job, lim, bpf, fds):
-    """Without a known clone number: unshare, then fork S as the first child of the new pid namespace."""
-    out_w, err_w, rep_w, status_w = fds
-    try:
-        _ok(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
-        pid = os.fork()
-        if pid == 0:
+def _start_relay(ctl_fd, bpf):
+    """Without a known clone number: a relay unshares, forks S as the first child of the new pid
+    namespace and waits for it (S dies with the relay: killing the relay ends the slot)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            close_fds_except({0, 1, 2, ctl_fd})  # as S does: it lives as long as S
+            _ok(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
+            child = os.fork()
+            if child == 0:
+                try:
+                    _supervisor(ctl_fd, bpf)
+                except BaseException as exc:  # noqa: BLE001
+                    _report_failure("sandbox supervisor failed", exc)
+                finally:
+                    os._exit(125)
+            os.waitpid(child, 0)
+        except BaseException as exc:  # noqa: BLE001
+            _report_failure("sandbox relay failed", exc)
+        finally:
+            os._exit(0)
+    return pid
+
+
+class _Slot:
+    """The harness's end of one supervisor: a socket to send it jobs, its pid to kill it."""
+
+    def __init__(self, bpf):
+        self.ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.pid = _start_supervisor(theirs.fileno(), bpf)
+        except BaseException:
+            self.ctl.close()
+            raise
+        finally:
+            theirs.close()
+        self.alive = True
+
+    def send(self, job, lim, write_fds):
+        body = json.dumps({"job": job, "limits": lim}).encode()
+        socket.send_fds(self.ctl, [struct.pack("!Q", len(body))], write_fds)
+        self.ctl.sendall(body)
+
+    def kill(self):
+        """End the slot: its namespace and everything in it die with S."""
+        if self.alive:
+            self.alive = False
             try:
-                _supervisor(job, lim, bpf, out_w, err_w, rep_w, status_w)
-            except BaseException as exc:  # noqa: BLE001
-                os.write(err_w, ("sandbox supervisor failed: %s\n" % exc).encode())
-                os._exit(125)
-        os.waitpid(pid, 0)
-    except BaseException as exc:  # noqa: BLE001
-        os.write(err_w, ("sandbox relay failed: %s\n" % exc).encode())
-    os._exit(0)
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.ctl.close()
+            os.waitpid(self.pid, 0)
+
+    def close(self):
+        """Let S finish: it exits when it reads the end of its socket."""
+        if self.alive:
+            self.alive = False
+            self.ctl.close()
+            os.waitpid(self.pid, 0)
+
+
+def _slot(i, bpf):
+    while len(SLOTS) <= i:
+        SLOTS.append(None)
+    if SLOTS[i] is None or not SLOTS[i].alive:
+        SLOTS[i] = _Slot(bpf)
+    return SLOTS[i]
+
+
+def close_slots():
+    for slot in SLOTS:
+        if slot is not None:
+            slot.close()
+    del SLOTS[:]
 
 
 # --------------------------------------------------------------------------
@@ -319,7 +469,7 @@ def _relay(job, lim, bpf, fds):
 
 
 class _Job:
-    def __init__(self, index, job, lim, bpf):
+    def __init__(self, index, job, lim, slot):
         self.index = index
         self.kind = job["kind"]
         self.has_tests = bool(job.get("tests"))
@@ -329,20 +479,15 @@ class _Job:
                 pipes.append(os.pipe())
             self.start = time.monotonic()
             self.deadline = self.start + float(lim["timeout_s"])
-            if SYS_CLONE is not None:
-                pid = _clone_supervisor(job, lim, bpf, pipes)
-            else:
-                pid = os.fork()
-                if pid == 0:
-                    _relay(job, lim, bpf, _write_ends(pipes))
-        except OSError:  # no process started (e.g. EAGAIN at the pids limit, EMFILE): nothing leaks
+            slot.send(job, lim, [w for _, w in pipes])
+        except OSError:  # not started (EMFILE, or the slot's supervisor is gone): nothing leaks
             for r, w in pipes:
                 os.close(r)
                 os.close(w)
             raise
         for _, w in pipes:
             os.close(w)
-        self.pid = pid
+        self.slot = slot
         self.fds = [r for r, _ in pipes]
         self.out_r, self.err_r, self.rep_r, self.status_r = self.fds
         self.bufs = {fd: bytearray() for fd in self.fds}
@@ -364,13 +509,9 @@ class _Job:
             self.kill()
 
     def kill(self):
-        try:
-            os.kill(self.pid, signal.SIGKILL)  # the supervisor follows (PDEATHSIG), then its namespace
-        except ProcessLookupError:
-            pass
+        self.slot.kill()  # its supervisor, and with it everything in its namespace
 
     def finish(self):
-        os.waitpid(self.pid, 0)
         for fd in self.fds:
             try:
                 os.close(fd)
@@ -384,6 +525,10 @@ class _Job:
             report = json.loads(bytes(self.bufs[self.rep_r]) or b"null") or {}
         except ValueError:
             report = {}
+        if status is None:  # the supervisor died (or was killed) before reporting: the slot is gone
+            self.slot.kill()
+            if not (self.timed_out or self.truncated):
+                self.bufs[self.err_r] += b"sandbox: the job's supervisor ended before reporting its status\n"
         exit_code = os.waitstatus_to_exitcode(status["status"]) if status else None
         peak_mb = round(status["maxrss_kb"] / 1024, 2) if status else None
         stderr = self.bufs[self.err_r].decode(errors="replace")
@@ -431,29 +576,42 @@ def _not_started(exc):
     return _result("infra", stderr="sandbox: could not start the job: %s\n" % exc)
 
 
+def _start(index, job, lim, bpf, slot_index):
+    """Send a job to its slot's supervisor; a supervisor found dead is replaced once."""
+    for attempt in (0, 1):
+        slot = _slot(slot_index, bpf)  # may raise: clone refused (EAGAIN at the pids limit)
+        try:
+            return _Job(index, job, lim, slot)
+        except OSError as exc:
+            if not isinstance(exc, (BrokenPipeError, ConnectionResetError)) or attempt:
+                raise
+            slot.kill()
+
+
 def run_all(jobs, lim, bpf, parallel):
     """Run every job, at most ``parallel`` at a time; results in input order."""
     JOBS.update(enumerate(jobs))
     results = [None] * len(jobs)
     queue = list(range(len(jobs)))
-    running = []
+    running = {}  # slot index -> job
     max_output = int(lim["max_output_bytes"])
     while queue or running:
         while queue and len(running) < parallel:
             index = queue.pop(0)
+            slot_index = min(set(range(parallel)) - set(running))
             try:
-                running.append(_Job(index, JOBS[index], lim, bpf))
+                running[slot_index] = _start(index, JOBS[index], lim, bpf, slot_index)
             except OSError as exc:  # this job could not start; the batch's other jobs still run
                 results[index] = _not_started(exc)
         if not running:
             continue
-        fds = {fd: job for job in running for fd in job.open_fds}
-        wait = max(0.0, min(job.deadline for job in running) - time.monotonic())
+        fds = {fd: job for job in running.values() for fd in job.open_fds}
+        wait = max(0.0, min(job.deadline for job in running.values()) - time.monotonic())
         ready = select.select(list(fds), [], [], wait)[0] if fds else []
         for fd in ready:
             fds[fd].read(fd, max_output)
         now = time.monotonic()
-        for job in list(running):
+        for slot_index, job in list(running.items()):
             if job.open_fds and now >= job.deadline:
                 job.timed_out = True
                 job.kill()
@@ -463,7 +621,7 @@ def run_all(jobs, lim, bpf, parallel):
                 job.open_fds = []
             if not job.open_fds:
                 results[job.index] = job.finish()
-                running.remove(job)
+                del running[slot_index]
     return results
 
 
@@ -471,16 +629,25 @@ def main():
     with open("/seccomp.bpf", "rb") as fh:
         bpf = fh.read()
     if "--serve" in sys.argv:
-        # Warm mode: one request per line on stdin, one line of results per request.
+        # Warm mode: one request per line on stdin, one line of results per request; the
+        # slots' supervisors serve request after request.
         for line in sys.stdin:
             request = json.loads(line)
-            results = run_all(request["jobs"], request["limits"], bpf, int(request.get("parallel", 2)))
+            parallel = int(request.get("parallel", 2))
+            results = run_all(request["jobs"], request["limits"], bpf, parallel)
             JOBS.clear()
             sys.stdout.write(json.dumps(results) + "\n")
             sys.stdout.flush()
+            for i in range(parallel):  # a slot killed by this request is replaced before the next
+                try:
+                    _slot(i, bpf)
+                except OSError:
+                    pass  # the next request's job on it reports why
+        close_slots()
         return
     request = json.load(sys.stdin)
     results = run_all(request["jobs"], request["limits"], bpf, int(request.get("parallel", 2)))
+    close_slots()
     for result in results:
         sys.stdout.write(json.dumps(result) + "\n")
 

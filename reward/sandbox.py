@@ -1,9 +1,13 @@
 """Run model-written programs and commands in a bubblewrap sandbox.
 
-One ``bwrap`` launch per *batch*; inside it ``reward/harness.py`` is a fork
-server that gives every job namespaces of its own (mount, pid, IPC), so the
-bwrap start and the interpreter start are paid once per batch while jobs
-stay isolated from each other. Identical programs in a batch run once.
+One ``bwrap`` launch per *batch* (or one for the sandbox's life, warm);
+inside it ``reward/harness.py`` is a fork server. Each of its parallel slots
+has a supervisor, pid 1 of its own mount and pid namespaces, which forks one
+model process per job (in an IPC namespace of its own) and, when the job
+ends, kills whatever the job left in the namespace and unmounts the job's
+tmpfs directories before it takes the next job. The bwrap start, the
+interpreter start and the namespaces are paid once per batch or slot while
+jobs stay isolated from each other. Identical programs in a batch run once.
 
 What it protects against (each claim has a test in
 ``tests/integration/test_sandbox_adversarial.py``)
@@ -19,19 +23,24 @@ What it protects against (each claim has a test in
   (bounding and ambient sets too), ``no_new_privs``, not dumpable;
   ``setuid``, ``ptrace``, ``mount``, ``unshare``, ``bpf``, ``keyctl``,
   ``io_uring`` and the other calls in ``reward/seccomp.py`` fail with EPERM.
-- Other processes: a job is pid 2 of its own pid namespace; it cannot see
-  or signal the harness, other jobs, or the host.
+- Other processes: a job runs in its slot's pid namespace, where the only
+  other process is the slot's supervisor (pid 1, which cannot be signalled
+  from inside); it cannot see or signal the harness, other jobs, or the host.
 - Runaway programs: wall-clock limit per job (SIGKILL of the whole
   namespace), rlimits (address space, CPU seconds, file size, open files,
   processes), a tmpfs size and inode limit on writable directories, output
   capped, and a cgroup (v1 or v2) per batch bounding memory (tmpfs pages
   included) and process count.
-- Leftovers: when a job ends its pid namespace is torn down (no daemon
-  survives it), its tmpfs vanishes with its mount namespace, the batch's
-  cgroup is removed; nothing is mounted on the host.
-- Tests: copied in after the solution's own code has run, bind-mounted
-  read-only; the solution cannot read them while it runs nor change them.
-  A solution that exits before the tests ran scores as an error.
+- Leftovers: when a job ends its supervisor kills every other process of
+  the namespace (``kill(-1)`` from pid 1: no daemon survives it) and reaps
+  them, then unmounts the job's tmpfs directories, all before the job's
+  status is reported; its System V IPC objects go with its IPC namespace;
+  the batch's cgroup is removed; nothing is mounted on the host.
+- Tests: the sandbox writes them under ``/t``, which every job sees as an
+  empty read-only directory; the supervisor reads a job's tests (through a
+  descriptor it opened before hiding ``/t``) and hands them to the model
+  process over a pipe only after the solution's own code has run. A
+  solution that exits before the tests ran scores as an error.
 
 What it does not protect against
 - Kernel vulnerabilities reachable through the syscalls left allowed: this
@@ -39,8 +48,10 @@ What it does not protect against
 - CPU contention: CPU time is limited per process, not shared fairly.
 - In-process test forgery: tests run in the solution's interpreter (that is
   what lets them call its functions), so a solution that inspects the test
-  runner's frames could report a pass; reward hacking of that kind shows
-  in the logged outputs, not in the sandbox's guarantees.
+  runner's frames could report a pass, and one that writes to the
+  descriptor by which its process says "the solution has finished" gets
+  the tests early; reward hacking of that kind shows in the logged outputs,
+  not in the sandbox's guarantees.
 - Where bwrap cannot create namespaces the sandbox refuses to start
   (``SandboxUnavailable``); there is no fallback to a bare subprocess.
 - Without writable cgroups (neither v1 nor v2 delegated) memory is bounded
@@ -188,7 +199,7 @@ class Sandbox:
             "--uid", "65534",
             "--gid", "65534",
             "--cap-drop", "ALL",
-            "--cap-add", "CAP_SYS_ADMIN",  # the harness's, for per-job namespaces; jobs drop it
+            "--cap-add", "CAP_SYS_ADMIN",  # the harness's, for the slots' namespaces and mounts; jobs drop it
             "--die-with-parent",
             "--new-session",
             "--ro-bind", "/usr", "/usr",

@@ -296,14 +296,27 @@ def test_cgroup_limits_the_batch_when_available(sandbox):
 
 
 def test_nothing_carries_over_to_the_next_job(sandbox):
-    """A warm sandbox serves job after job: the next one sees none of the last one's files or processes."""
-    first = run1(sandbox, (
+    """A slot's supervisor serves job after job: the next one sees none of the last one's files,
+    processes or System V IPC objects."""
+    from reward.sandbox import Job
+
+    shm = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]\n"
+    first = (
         "import os, subprocess\nopen('left.txt', 'w').write('x')\nopen('/tmp/left.txt', 'w').write('x')\n"
         "open('/dev/shm/left', 'w').write('x')\nsubprocess.Popen(['/bin/sleep', '30'], start_new_session=True)\n"
-    ))  # fmt: skip
-    assert first.verdict == "pass", first
-    second = run1(sandbox, (
+        "if os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '31'])\n"
+        + shm + "assert libc.shmget(4242, 4096, 0o1600) >= 0, ctypes.get_errno()\n"  # IPC_CREAT | 0600, never removed
+    )  # fmt: skip
+    second = (
         "import os\nseen = [p for p in ('left.txt', '/tmp/left.txt', '/dev/shm/left') if os.path.exists(p)]\n"
-        "print(seen, os.listdir('.'), os.listdir('/tmp'))\nassert not seen and os.getpid() == 2\n"
-    ))  # fmt: skip
-    assert second.verdict == "pass", second
+        "def alive(pid):\n    try:\n        os.kill(pid, 0)\n    except ProcessLookupError:\n        return False\n    return True\n"
+        "others = [pid for pid in range(2, os.getpid()) if alive(pid)]\n"
+        + shm + "segment = libc.shmget(4242, 0, 0)\n"
+        "print(os.getpid(), seen, others, segment, os.listdir('.'), os.listdir('/tmp'))\n"
+        "assert not seen and not others and segment == -1\n"
+    )  # fmt: skip
+    results = [r for pair in (sandbox.run([Job(first), Job(first + "#2\n")]), sandbox.run([Job(second), Job(second + "#2\n")])) for r in pair]
+    assert all(r.verdict == "pass" for r in results), results
+    pids = [int(r.stdout.split()[0]) for r in results[2:]]
+    if sandbox.warm:  # the same supervisors served the second batch: the checks above saw a used namespace
+        assert max(pids) > 2, pids
