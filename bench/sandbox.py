@@ -4,17 +4,21 @@
    ``/usr/bin/python3 -c`` subprocesses (the interpreter the sandbox uses),
    at the same concurrency, in alternating rounds in one run. The sandbox
    side runs programs in batches (one bwrap launch per batch, a fork server
-   inside, every program in namespaces of its own: the reward service's
-   in-process path). The per-rollout path of a Celery worker (one program
+   inside, each parallel slot a supervisor in namespaces of its own that
+   forks a model process per program: the reward service's in-process path). The per-rollout path of a Celery worker (one program
    per call on a warm sandbox, one per pool process) and a cold launch per
    program are reported too.
-2. Snapshot and restore latency of a workspace over a 2,000-file tree, with
+2. CPU per job, the whole machine counted (``psutil.cpu_times``: the client,
+   bwrap, the harness, its supervisors and model processes), on a warm
+   sandbox at ``--concurrency`` slots running batches of 24 distinct small
+   programs with an assert (the demo's reward stage runs ~23 per step).
+3. Snapshot and restore latency of a workspace over a 2,000-file tree, with
    edits, deletions and new files in the writable layer before each.
 
     python bench/sandbox.py [--n 256] [--concurrency 2] [--batch 64] [--rounds 3]
 
 Ends with ``FIGURE sandbox_exec_ratio <v> x`` (batched), ``FIGURE sandbox_warm_single_ratio <v> x``,
-``FIGURE sandbox_cold_single_ratio <v> x``,
+``FIGURE sandbox_cold_single_ratio <v> x``, ``FIGURE sandbox_cpu_per_job_ms <v> ms``,
 ``FIGURE snapshot_latency_ms <v> ms`` and ``FIGURE restore_latency_ms <v> ms`` (p95 of each).
 """
 
@@ -66,6 +70,23 @@ def one_per_call(sandboxes, n: int) -> float:
         results = list(pool.map(lambda i: sandboxes[i % len(sandboxes)].run([Job(f"print({i})")])[0], range(n)))
     assert all(r.verdict == "pass" for r in results)
     return n / (time.perf_counter() - t0)
+
+
+def cpu_per_job(sandbox, batches: int = 40, size: int = 24) -> float:
+    """Milliseconds of CPU (whole machine) per program, warm sandbox, demo-sized batches."""
+    import psutil
+
+    def busy() -> float:
+        t = psutil.cpu_times()
+        return t.user + t.nice + t.system + t.irq + t.softirq
+
+    prog = "def f(a):\n    return sorted(a)[-1]\nassert f([3, 1, {i}]) == max(3, {i})\nprint({i})\n"
+    sandbox.run_batch([prog.format(i=-1)])
+    c0 = busy()
+    for b in range(batches):
+        results = sandbox.run_batch([prog.format(i=b * size + i) for i in range(size)])
+        assert all(r.verdict == "pass" for r in results), results[0]
+    return (busy() - c0) / (batches * size) * 1000
 
 
 def snapshot_latency(sandbox, iterations: int) -> tuple[list[float], list[float]]:
@@ -128,6 +149,10 @@ def main() -> None:
               f"warm one-per-call {warm_rates[-1]:.1f}/s  cold one-launch-per-program {cold_rates[-1]:.1f}/s")  # fmt: skip
     b, s = statistics.median(bare_rates), statistics.median(sb_rates)
     w, one = statistics.median(warm_rates), statistics.median(cold_rates)
+    cpu_warm = Sandbox(SandboxLimits(timeout_s=5.0), parallel=args.concurrency, warm=True)
+    cpu_ms = statistics.median(cpu_per_job(cpu_warm) for _ in range(args.rounds))
+    cpu_warm.close()
+    print(f"CPU per job (warm, batches of 24, {args.concurrency} slots): {cpu_ms:.2f} ms")
     snaps, restores = snapshot_latency(sandbox, args.snapshots)
     print(f"snapshot ms: median {statistics.median(snaps):.2f} max {max(snaps):.2f}; "
           f"restore ms: median {statistics.median(restores):.2f} max {max(restores):.2f}")  # fmt: skip
@@ -136,6 +161,7 @@ def main() -> None:
     print(f"FIGURE sandbox_exec_ratio {s / b:.2f} x")
     print(f"FIGURE sandbox_warm_single_ratio {w / b:.2f} x")
     print(f"FIGURE sandbox_cold_single_ratio {one / b:.2f} x")
+    print(f"FIGURE sandbox_cpu_per_job_ms {cpu_ms:.2f} ms")
     print(f"FIGURE snapshot_latency_ms {p95(snaps):.2f} ms")
     print(f"FIGURE restore_latency_ms {p95(restores):.2f} ms")
     for sb in [sandbox, *cold, *warm]:

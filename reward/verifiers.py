@@ -13,8 +13,8 @@ Each kind reads its own payload from ``task.verifier.data``:
     (``fraction`` of tests passed, or ``all`` or nothing), ``prepend_prompt``
     (run ``prompt + completion`` rather than the completion alone). The
     completion's code is taken from its last fenced code block when it has
-    one. The solution runs first; the tests are copied in afterwards,
-    read-only, and run against its namespace.
+    one. The solution runs first; the tests are handed to its process
+    afterwards and run against its namespace.
 ``math``
     ``answer`` (the ground truth), ``tolerance`` (relative, for numbers;
     default 1e-6). The final answer is taken from ``\\boxed{...}``, a
