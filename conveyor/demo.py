@@ -332,7 +332,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     model.save_pretrained(model_dir)
     log.info("demo.warmup_done", loss=round(warm_loss, 4), seconds=round(time.monotonic() - t0, 1))
 
-    # Warm sandboxes (one long-lived bwrap each, fresh namespaces per program): a launch per batch
+    # Warm sandboxes (one long-lived bwrap each; per program a fresh process, tmpfs and IPC namespace): a launch per batch
     # cost a third of the reward stage, the pipeline's slowest. The evaluator has its own, so an
     # evaluation never queues behind the reward bridge's batches.
     sandbox = Sandbox(SandboxLimits(timeout_s=1.0), warm=True)

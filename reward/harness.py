@@ -1,5 +1,5 @@
 """Runs inside the bubblewrap sandbox: a fork server that executes a batch of
-jobs, each in namespaces of its own, and prints one JSON result per job.
+jobs, each isolated from the others, and prints one JSON result per job.
 
 Standard library only: it runs on the system interpreter inside bubblewrap,
 where the project's environment is not mounted. Request on stdin::

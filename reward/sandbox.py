@@ -141,7 +141,8 @@ class Sandbox:
 
     Cold (default): each batch is its own bwrap launch and cgroup. Warm
     (``warm=True``): one long-lived bwrap serves batches over a pipe (calls are
-    serialised; jobs still get fresh namespaces each), which is what a Celery
+    serialised; each job still gets a fresh process, tmpfs and IPC namespace,
+    and nothing of an earlier job survives in its slot), which is what a Celery
     worker process scoring one rollout per task wants; it is restarted after
     any failure. Workspace runs always launch cold (the overlay is mounted at
     launch).
