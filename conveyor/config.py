@@ -259,6 +259,9 @@ class LearnerConfig(_Section):
     activation_checkpointing: bool = False
     micro_batch: int = Field(0, ge=0)
     """Sequences per forward/backward; gradients accumulate over the step's batch (0: all at once)."""
+    step_process: bool = False
+    """Run the optimizer steps in a child process (learner/step_process.py), so they share no GIL
+    with the service's event loop: a CPU learner of one rank (refused with several ranks or a GPU)."""
 
     @model_validator(mode="after")
     def _lag_allows_publishing(self) -> LearnerConfig:

@@ -168,6 +168,9 @@ class GRPOLearner:
         if step_process:
             if ranks is not None:
                 raise ValueError("learner.step_process does not combine with several ranks (each rank already is a process)")
+            if any(p.device.type != "cpu" for p in model.parameters()):
+                raise ValueError("learner.step_process is for a CPU learner (the model is on another device, where the "
+                                 "step leaves the GIL by itself)")
             from learner.step_process import StepProcess
 
             self._steps = StepProcess(model, pad_id, dict(run_dir=self.run_dir, lr=lr, loss=loss, warmup_steps=warmup_steps,

@@ -301,10 +301,13 @@ def _serve_job(job, lim, bpf, tests_dir_fd, fds):
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(ready_r)
-        os.close(go_w)
-        os.close(status_w)
-        _model(job, lim, bpf, (out_w, err_w, rep_w, ready_w, go_r))
+        try:
+            os.close(ready_r)
+            os.close(go_w)
+            os.close(status_w)
+            _model(job, lim, bpf, (out_w, err_w, rep_w, ready_w, go_r))
+        finally:
+            os._exit(126)  # _model exits on every path it knows; never back into the supervisor's loop
     for fd in (out_w, err_w, rep_w, ready_w, go_r):
         os.close(fd)
     tests = job.get("tests")

@@ -111,3 +111,30 @@ def test_step_process_refuses_several_ranks(tiny, tmp_path):
     model, tok = tiny
     with pytest.raises(ValueError, match="step_process"):
         _learner(model, tok, tmp_path, step_process=True, ranks=RankGroup(0, 2, None))
+
+
+def test_step_process_refuses_a_model_off_the_cpu(tiny, tmp_path):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="step_process is for a CPU learner"):
+        GRPOLearner(MemoryTransport(), Topics("r"), copy.deepcopy(model).to("meta"), tok.pad_token_id,
+                    LocalObjectStore(tmp_path / "o"), run_dir=tmp_path, step_process=True)  # fmt: skip
+
+
+def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp_path):
+    """``conveyor serve learner`` builds its learner with the config file's ``learner.step_process``
+    (the service's transport and the learner itself are replaced: only the wiring is under test)."""
+    import conveyor.cli.serve as serve
+    import learner.recipe
+    from conveyor.config import load_run_config
+    from learner.models import create_tiny_llama
+    from producers.suites.pyexpr import ALPHABET
+
+    create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    config = tmp_path / "run.yaml"
+    config.write_text("run_id: r\nlearner:\n  step_process: true\n")
+    built = {}
+    monkeypatch.setattr(serve, "_load", lambda path, role: load_run_config(path))  # (no logging set-up)
+    monkeypatch.setattr(serve, "_run_service", lambda cfg, build: build(None, None, None))
+    monkeypatch.setattr(learner.recipe, "GRPOLearner", lambda *a, **kw: built.update(kw))
+    serve.learner(config=config, model=tmp_path / "m", run_dir=tmp_path / "run", threads=0)
+    assert built["step_process"] is True
