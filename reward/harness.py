@@ -371,6 +371,16 @@ def _report_failure(what, exc):
         pass
 
 
+def _become_supervisor(ctl_fd, bpf):
+    """In the new process: serve as the slot's supervisor, then exit (never back into the harness's code)."""
+    try:
+        _supervisor(ctl_fd, bpf)
+    except BaseException as exc:  # noqa: BLE001
+        _report_failure("sandbox supervisor failed", exc)
+    finally:
+        os._exit(125)
+
+
 def _start_supervisor(ctl_fd, bpf):
     """S as pid 1 of new mount, pid and IPC namespaces, serving ``ctl_fd``; returns the pid to kill."""
     if SYS_CLONE is None:
@@ -381,12 +391,7 @@ def _start_supervisor(ctl_fd, bpf):
         err = ctypes.get_errno()
         raise OSError(err, "clone: %s" % os.strerror(err))
     if pid == 0:
-        try:
-            _supervisor(ctl_fd, bpf)
-        except BaseException as exc:  # noqa: BLE001
-            _report_failure("sandbox supervisor failed", exc)
-        finally:
-            os._exit(125)  # never back into the harness's code
+        _become_supervisor(ctl_fd, bpf)
     return pid
 
 
@@ -400,12 +405,7 @@ def _start_relay(ctl_fd, bpf):
             _ok(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
             child = os.fork()
             if child == 0:
-                try:
-                    _supervisor(ctl_fd, bpf)
-                except BaseException as exc:  # noqa: BLE001
-                    _report_failure("sandbox supervisor failed", exc)
-                finally:
-                    os._exit(125)
+                _become_supervisor(ctl_fd, bpf)
             os.waitpid(child, 0)
         except BaseException as exc:  # noqa: BLE001
             _report_failure("sandbox relay failed", exc)
