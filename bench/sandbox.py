@@ -5,9 +5,10 @@
    at the same concurrency, in alternating rounds in one run. The sandbox
    side runs programs in batches (one bwrap launch per batch, a fork server
    inside, each parallel slot a supervisor in namespaces of its own that
-   forks a model process per program: the reward service's in-process path). The per-rollout path of a Celery worker (one program
-   per call on a warm sandbox, one per pool process) and a cold launch per
-   program are reported too.
+   forks a model process per program: the reward service's in-process
+   path). The per-rollout path of a Celery worker (one program per call on
+   a warm sandbox, one per pool process) and a cold launch per program are
+   reported too.
 2. CPU per job, the whole machine counted (``psutil.cpu_times``: the client,
    bwrap, the harness, its supervisors and model processes), on a warm
    sandbox at ``--concurrency`` slots running batches of 24 distinct small
@@ -74,19 +75,15 @@ def one_per_call(sandboxes, n: int) -> float:
 
 def cpu_per_job(sandbox, batches: int = 40, size: int = 24) -> float:
     """Milliseconds of CPU (whole machine) per program, warm sandbox, demo-sized batches."""
-    import psutil
-
-    def busy() -> float:
-        t = psutil.cpu_times()
-        return t.user + t.nice + t.system + t.irq + t.softirq
+    from bench.machine import busy_cpu_s
 
     prog = "def f(a):\n    return sorted(a)[-1]\nassert f([3, 1, {i}]) == max(3, {i})\nprint({i})\n"
     sandbox.run_batch([prog.format(i=-1)])
-    c0 = busy()
+    c0 = busy_cpu_s()
     for b in range(batches):
         results = sandbox.run_batch([prog.format(i=b * size + i) for i in range(size)])
         assert all(r.verdict == "pass" for r in results), results[0]
-    return (busy() - c0) / (batches * size) * 1000
+    return (busy_cpu_s() - c0) / (batches * size) * 1000
 
 
 def snapshot_latency(sandbox, iterations: int) -> tuple[list[float], list[float]]:

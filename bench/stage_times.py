@@ -35,13 +35,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not bench/
 
-
-def _busy_cpu_s() -> float:
-    """CPU seconds the whole machine spent busy so far (all but idle and iowait)."""
-    import psutil
-
-    t = psutil.cpu_times()
-    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+from bench.machine import busy_cpu_s  # noqa: E402
 
 
 def _timed(owner, name: str, totals: dict, label: str) -> None:
@@ -90,14 +84,14 @@ def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, m
     learner_run = learner.recipe.GRPOLearner.run
 
     async def started(self, *a, **k):  # the services start together: the RL phase starts here
-        phase["cpu"], phase["wall"] = _busy_cpu_s(), time.monotonic()
+        phase["cpu"], phase["wall"] = busy_cpu_s(), time.monotonic()
         return await learner_run(self, *a, **k)
 
     async def measured(*a, **k):  # (building the services, a child process's start-up included, is not timed)
         try:
             return await run_services(*a, **k)
         finally:
-            phase["cpu"] = _busy_cpu_s() - phase["cpu"]
+            phase["cpu"] = busy_cpu_s() - phase["cpu"]
             phase["wall"] = time.monotonic() - phase["wall"]
 
     learner.recipe.GRPOLearner.run = started
@@ -109,14 +103,16 @@ def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, m
 
 
 def main() -> None:
+    from conveyor.demo import DemoConfig
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=25.0, help="seconds of RL per run")
     ap.add_argument("--warmup-steps", type=int, default=800, help="the demo's default")
     ap.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's (the demo's default: 1)")
     ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
-    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True, help="both runs sample in a child process (ProcessEngine; the demo's default; --no-engine-process: in process)")
-    ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=True, help="both runs' learners step in a child process (StepProcess; the demo's default; --no-learner-process: in process)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DemoConfig.engine_process, help="both runs sample in a child process (ProcessEngine; the demo's default: %(default)s; --no-engine-process: in process)")
+    ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (StepProcess; the demo's default: %(default)s; --no-learner-process: in process)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1

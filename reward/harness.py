@@ -434,18 +434,16 @@ class _Slot:
         self.ctl.sendall(body)
 
     def kill(self):
-        """End the slot: its namespace and everything in it die with S."""
+        """End the slot now: its namespace and everything in it die with S."""
         if self.alive:
-            self.alive = False
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.ctl.close()
-            os.waitpid(self.pid, 0)
+        self.close()
 
     def close(self):
-        """Let S finish: it exits when it reads the end of its socket."""
+        """Let S finish (it exits when it reads the end of its socket) and reap it."""
         if self.alive:
             self.alive = False
             self.ctl.close()
