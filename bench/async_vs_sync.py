@@ -16,7 +16,7 @@ evaluation competes with the pipeline for the two cores while it runs.
 ``--eval-every S`` instead evaluates every S seconds inside the runs (the
 demo's own display; 100 problems), the method of the earlier figures.
 
-    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--max-lag 1] [--no-engine-process] [--no-learner-process]
+    python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.85] [--max-lag 1] [--updates-per-batch N] [--no-engine-process] [--no-learner-process]
 
 With several seeds the figure is the geometric mean of the per-seed ratios
 (``async_speedup_total`` is the ratio of the summed times). Ends with
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DemoConfig.engine_process, help="both runs sample in a child process (the demo's default: %(default)s; --no-engine-process: in process)")
     parser.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (the demo's default: %(default)s; --no-learner-process: in process)")
     parser.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's max_lag (the lock-step run has 0)")
+    parser.add_argument("--updates-per-batch", type=int, default=DemoConfig.updates_per_batch, help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)")
     args = parser.parse_args()
 
     seeds = [args.seed] if args.seed is not None else args.seeds
@@ -121,10 +122,11 @@ def main() -> None:
                 keep_versions=1_000_000 if args.eval_every == 0 else 3,
                 out_dir=args.out,
                 # A fresh run id: an existing one would resume from that run's checkpoint.
-                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}{'-lproc' if args.learner_process else ''}-lag{0 if mode == 'sync' else args.max_lag}-{stamp}",
+                run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}{'-lproc' if args.learner_process else ''}-lag{0 if mode == 'sync' else args.max_lag}-u{args.updates_per_batch}-{stamp}",
                 engine_process=args.engine_process,
                 learner_process=args.learner_process,
                 max_lag=args.max_lag,
+                updates_per_batch=args.updates_per_batch,
                 objective=args.async_objective if mode == "async" else "behaviour",
             )
             # Each run in a fresh process: nothing of an earlier run (threads, heap, caches) shares

@@ -17,7 +17,7 @@ every core in the lock-step run (the sandbox runs its jobs two at a time) gain
 nothing from overlapping; single-threaded ones (the learner, the engine, the
 event loop) gain up to the number of cores.
 
-    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag 1] [--keep-versions 3] [--no-engine-process] [--no-learner-process]
+    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag 1] [--keep-versions 3] [--updates-per-batch N] [--no-engine-process] [--no-learner-process]
 
 Ends with ``FIGURE async_steps_per_s_ratio <v> x`` and ``FIGURE async_bound <v> x``.
 """
@@ -66,7 +66,7 @@ def _timed(owner, name: str, totals: dict, label: str) -> None:
 
 
 def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int, keep_versions: int,
-            engine_process: bool, learner_process: bool) -> dict:
+            engine_process: bool, learner_process: bool, updates_per_batch: int = 1) -> dict:
     import conveyor.demo as demo
     import learner.recipe
     import reward.scorers
@@ -96,7 +96,7 @@ def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, m
 
     learner.recipe.GRPOLearner.run = started
     demo._run_services = measured
-    cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, engine_process=engine_process, learner_process=learner_process, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
+    cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, engine_process=engine_process, learner_process=learner_process, updates_per_batch=updates_per_batch, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
                           out_dir=out, run_id=f"stages-{mode}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")  # fmt: skip
     r = demo.run_demo(cfg)
     return {"steps": r.steps, "wall": phase["wall"], "cpu": phase["cpu"], **totals}
@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DemoConfig.engine_process, help="both runs sample in a child process (ProcessEngine; the demo's default: %(default)s; --no-engine-process: in process)")
     ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (StepProcess; the demo's default: %(default)s; --no-learner-process: in process)")
+    ap.add_argument("--updates-per-batch", type=int, default=DemoConfig.updates_per_batch, help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1
@@ -120,7 +121,7 @@ def main() -> None:
     for mode in ("sync", "async"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             r = runs[mode] = pool.submit(one_run, mode, args.seed, args.budget, args.warmup_steps, args.out, args.max_lag, args.keep_versions,
-                                          args.engine_process, args.learner_process).result()
+                                          args.engine_process, args.learner_process, args.updates_per_batch).result()
         n = r["steps"]
         per = {k: r[k] / n * 1e3 for k in ("wall", "cpu", "train", "generate", "score")}
         rest = per["wall"] - per["train"] - per["generate"] - per["score"]

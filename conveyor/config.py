@@ -259,6 +259,9 @@ class LearnerConfig(_Section):
     activation_checkpointing: bool = False
     micro_batch: int = Field(0, ge=0)
     """Sequences per forward/backward; gradients accumulate over the step's batch (0: all at once)."""
+    updates_per_batch: int = Field(1, ge=1)
+    """Optimizer updates on each step's batch (PPO's epochs, GRPO's mu), every one clipped against the
+    same behaviour log-probabilities; the learning-rate schedule counts steps, not updates."""
     step_process: bool = False
     """Run the optimizer steps in a child process (learner/step_process.py), so they share no GIL
     with the service's event loop: a CPU learner of one rank (refused with several ranks or a GPU)."""

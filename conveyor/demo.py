@@ -54,6 +54,7 @@ class DemoConfig:
     max_lag: int = 1
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
+    updates_per_batch: int = 1  # learner.recipe.GRPOLearner's optimizer updates per step's batch
     # The engine and the learner's optimizer steps each in a child process (rollout_workers/process_engine.py,
     # learner/step_process.py): as threads of one process they contend for the GIL with each other and with
     # the event loop's services (docs/BENCHMARKS.md, "Both torch loops in child processes by default").
@@ -163,6 +164,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr, checkpoint_every=25,
         keep_versions=cfg.keep_versions, pack_tokens=cfg.pack_tokens,
         loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef), step_process=cfg.learner_process,
+        updates_per_batch=cfg.updates_per_batch,
     )
     sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)
@@ -303,6 +305,8 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
     if cfg.entropy_coef < 0:
         raise SystemExit(f"--entropy-coef {cfg.entropy_coef}: >= 0 (0: no entropy bonus)")
+    if cfg.updates_per_batch < 1:
+        raise SystemExit(f"--updates-per-batch {cfg.updates_per_batch}: >= 1")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_role)

@@ -106,6 +106,7 @@ class GRPOLearner:
         stale_decay: float = 0.0,
         ranks: RankGroup | None = None,
         step_process: bool = False,
+        updates_per_batch: int = 1,
     ) -> None:
         import torch
 
@@ -138,6 +139,9 @@ class GRPOLearner:
         if publish_every < 1:
             raise ValueError("publish_every must be >= 1")
         self.publish_every = publish_every  # steps between weights publications
+        if updates_per_batch < 1:
+            raise ValueError("learner.updates_per_batch must be >= 1")
+        self.updates_per_batch = updates_per_batch  # optimizer updates on each step's batch (PPO epochs)
         self.group_id = group_id
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         warm = max(1, warmup_steps)
@@ -174,7 +178,8 @@ class GRPOLearner:
             from learner.step_process import StepProcess
 
             self._steps = StepProcess(model, pad_id, dict(run_dir=self.run_dir, lr=lr, loss=loss, warmup_steps=warmup_steps,
-                                                          pack_tokens=pack_tokens, micro_batch=micro_batch),
+                                                          pack_tokens=pack_tokens, micro_batch=micro_batch,
+                                                          updates_per_batch=updates_per_batch),
                                       threads=torch.get_num_threads())  # fmt: skip
         self._started = time.monotonic()  # the metrics' wall_s (after the step process's start-up)
 
@@ -422,21 +427,35 @@ class GRPOLearner:
         return stats
 
     def _optimise(self, work: dict) -> dict:
-        """One optimizer step on the step's sequences (on several ranks, every rank runs it on the
-        same ``work`` and trains its share)."""
+        """``updates_per_batch`` optimizer updates on the step's sequences (on several ranks, every
+        rank runs them on the same ``work`` and trains its share).
+
+        Every update clips against the same behaviour log-probabilities (and, for the decoupled
+        objective, the same proximal ones, taken before the first update), so later updates stay
+        within the clip range of the policy that sampled the batch, as PPO's epochs do. The
+        statistics are the first update's (its importance weights measure the samples'
+        staleness), with the last update's clip fraction and importance mean beside them. The
+        learning-rate schedule advances once per step, whatever the number of updates."""
         import torch
 
         if self._steps is not None:
             stats, weights = self._steps.step(work)
             self._copy_weights(weights)
             return stats
-        loss, stats = self._accumulate(**work)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm is a replicated DTensor
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        prox_cache: list = []
+        for update in range(self.updates_per_batch):
+            loss, stats = self._accumulate(**work, prox_cache=prox_cache)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm is a replicated DTensor
+                grad_norm = grad_norm.full_tensor()
+            self.optimizer.step()
+            if update == 0:
+                first = dict(stats, loss=loss, grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         self.scheduler.step()
-        return dict(stats, loss=loss, grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        if self.updates_per_batch > 1:
+            first.update(updates=self.updates_per_batch, last_clip_fraction=stats["clip_fraction"],
+                         last_importance_mean=stats["importance_mean"])  # fmt: skip
+        return first
 
     def _copy_weights(self, weights: bytes) -> None:
         """Take the step process's new weights (as ``_gather_weights`` gives them) into this model."""
@@ -479,7 +498,8 @@ class GRPOLearner:
             return completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy, temperatures=temps,
                                        token_entropies=token_entropies)  # fmt: skip
 
-    def _accumulate(self, prompts, completions, behaviour, advantages, masks, fresh=None, temps=None) -> tuple[float, dict]:
+    def _accumulate(self, prompts, completions, behaviour, advantages, masks, fresh=None, temps=None,
+                    prox_cache: list | None = None) -> tuple[float, dict]:
         """Forward and backward over ``_micro_batches``; the gradients equal one pass over the whole
         batch (each part is normalised by the batch's totals; on several ranks each rank's part is
         scaled by the rank count, as FSDP averages gradients over ranks).
@@ -488,7 +508,9 @@ class GRPOLearner:
         its behaviour logprobs and the learner's is the train/inference mismatch (engine numerics,
         kernels, precision), reported as ``logprob_mismatch_mean/max``. ``temps[i]``: sample i's
         sampling temperature; every log-probability is taken under ``softmax(logits / T)``, the
-        distribution the behaviour logprobs are of."""
+        distribution the behaviour logprobs are of. ``prox_cache``: the decoupled objective's
+        proximal log-probabilities per micro-batch, filled by the first call and reused by later
+        ones on the same batch (the proximal policy is the one before the step's first update)."""
         import torch
 
         n = len(prompts)
@@ -501,7 +523,7 @@ class GRPOLearner:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, parts, entropies = 0.0, [], []
         mismatch = [0.0, 0, 0.0]  # sum, tokens, max
-        for idx in self._micro_batches(prompts, completions):
+        for part, idx in enumerate(self._micro_batches(prompts, completions)):
             if not idx:  # this rank has no pack left: a pass that contributes nothing joins the collectives
                 idx, zero = [0], True
             else:
@@ -511,10 +533,14 @@ class GRPOLearner:
             t = pick(temps) if temps else None
             prox = ref = None
             if self.loss_cfg.objective == "decoupled":
-                with torch.no_grad():  # the proximal policy: current weights, before this update
-                    self.model.eval()
-                    prox = self._logprobs(p, c, t)
-                    prox = [x.float() for x in prox]
+                if prox_cache is not None and part < len(prox_cache):
+                    prox = prox_cache[part]  # a later update on this batch: the step's proximal policy
+                else:
+                    with torch.no_grad():  # the proximal policy: current weights, before this step's updates
+                        self.model.eval()
+                        prox = [x.float() for x in self._logprobs(p, c, t)]
+                    if prox_cache is not None:
+                        prox_cache.append(prox)
             if self.loss_cfg.kl_coef > 0:
                 with torch.no_grad():
                     ref = completion_logprobs(self._reference_model(), p, c, self.pad_id, temperatures=t)

@@ -242,7 +242,7 @@ def learner(
                 batch_groups=lc.batch_groups, max_lag=lc.max_lag, stale_decay=lc.stale_decay, lr=lc.lr, loss=loss,
                 group_timeout_s=lc.group_timeout_s, keep_versions=lc.keep_versions, publish_every=lc.publish_every, checkpoint_every=lc.checkpoint_every,
                 keep_checkpoints=lc.keep_checkpoints, warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens,
-                micro_batch=lc.micro_batch, ranks=ranks, step_process=lc.step_process,
+                micro_batch=lc.micro_batch, ranks=ranks, step_process=lc.step_process, updates_per_batch=lc.updates_per_batch,
             )  # fmt: skip
         except ValueError as exc:
             typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)

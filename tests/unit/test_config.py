@@ -35,6 +35,7 @@ def test_every_shipped_config_parses(path):
         ({"rollout": {"engine": "tgi"}}, "rollout.engine"),
         ({"rollout": {"vllm": {"speculative": {"method": "ngram"}}}}, "rollout.vllm.speculative"),
         ({"rollout": {"vllm": {"kv_cache_mb": 1}}}, "rollout.vllm.kv_cache_mb"),
+        ({"learner": {"updates_per_batch": 0}}, "learner.updates_per_batch"),
     ],
 )
 def test_invalid_config_names_the_field(data, field):

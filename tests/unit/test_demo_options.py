@@ -12,6 +12,7 @@ from conveyor.demo import DemoConfig, run_demo
         ({"eval_every_s": 0.0, "target_pass_rate": 0.8}, "--target needs evaluations"),
         ({"engine": "tgi"}, "--engine tgi"),
         ({"entropy_coef": -0.01}, "--entropy-coef -0.01"),
+        ({"updates_per_batch": 0}, "--updates-per-batch 0"),
     ],
 )
 def test_refused_with_the_option_named(tmp_path, kw, needle):

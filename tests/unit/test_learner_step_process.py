@@ -122,6 +122,7 @@ def test_step_process_refuses_a_model_off_the_cpu(tiny, tmp_path):
 
 def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp_path):
     """``conveyor serve learner`` builds its learner with the config file's ``learner.step_process``
+    and ``learner.updates_per_batch``
     (the service's transport and the learner itself are replaced: only the wiring is under test)."""
     import conveyor.cli.serve as serve
     import learner.recipe
@@ -131,10 +132,63 @@ def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp
 
     create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     config = tmp_path / "run.yaml"
-    config.write_text("run_id: r\nlearner:\n  step_process: true\n")
+    config.write_text("run_id: r\nlearner:\n  step_process: true\n  updates_per_batch: 2\n")
     built = {}
     monkeypatch.setattr(serve, "_load", lambda path, role: load_run_config(path))  # (no logging set-up)
     monkeypatch.setattr(serve, "_run_service", lambda cfg, build: build(None, None, None))
     monkeypatch.setattr(learner.recipe, "GRPOLearner", lambda *a, **kw: built.update(kw))
     serve.learner(config=config, model=tmp_path / "m", run_dir=tmp_path / "run", threads=0)
-    assert built["step_process"] is True
+    assert built["step_process"] is True and built["updates_per_batch"] == 2
+
+
+def test_several_updates_per_batch_step_the_optimizer_that_often_and_the_schedule_once(tiny, tmp_path):
+    model, tok = tiny
+    one, two = _learner(model, tok, tmp_path / "one"), _learner(model, tok, tmp_path / "two", updates_per_batch=2)
+    a, b = one._train_step(_batch(0)), two._train_step(_batch(0))
+    adam_steps = lambda lrn: {float(s["step"]) for s in lrn.optimizer.state.values()}  # noqa: E731
+    assert adam_steps(one) == {1.0} and adam_steps(two) == {2.0}
+    assert one.scheduler.last_epoch == two.scheduler.last_epoch == 1  # warm-up counts steps, not updates
+    # The first update's statistics are the one-update step's; the last update's are beside them.
+    for key in ("loss", "importance_mean", "clip_fraction", "grad_norm", "lr"):
+        assert b[key] == pytest.approx(a[key], rel=1e-6), key
+    assert b["updates"] == 2 and "updates" not in a
+    assert b["last_importance_mean"] != pytest.approx(b["importance_mean"])  # the policy moved between the updates
+    wa, wb = _weights(one), _weights(two)
+    assert any(not torch.allclose(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ValueError, match="updates_per_batch"):
+        _learner(model, tok, tmp_path / "zero", updates_per_batch=0)
+
+
+def test_several_updates_per_batch_in_a_child_process_equal_them_in_process(tiny, tmp_path):
+    model, tok = tiny
+    here = _learner(model, tok, tmp_path / "a", updates_per_batch=3)
+    there = _learner(model, tok, tmp_path / "b", updates_per_batch=3, step_process=True)
+    try:
+        a, b = here._train_step(_batch(0)), there._train_step(_batch(0))
+        assert b["updates"] == 3 and b["last_clip_fraction"] == pytest.approx(a["last_clip_fraction"], abs=1e-6)
+        wa, wb = _weights(here), _weights(there)
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=k)
+    finally:
+        there.close()
+
+
+def test_the_decoupled_objective_keeps_the_steps_proximal_policy_for_every_update(tiny, tmp_path, monkeypatch):
+    """The proximal log-probabilities are taken once, before the step's first update (one pass
+    without gradient per micro-batch), and the later updates clip around them."""
+    from learner.grpo import LossConfig
+
+    model, tok = tiny
+    lrn = _learner(model, tok, tmp_path, updates_per_batch=3, micro_batch=3, loss=LossConfig(objective="decoupled"))
+    calls = {"no_grad": 0, "grad": 0}
+    real = lrn._logprobs
+
+    def counted(*a, **k):
+        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(lrn, "_logprobs", counted)
+    stats = lrn._train_step(_batch(0))
+    parts = stats["micro_batches"]
+    assert parts > 1
+    assert calls == {"no_grad": parts, "grad": 3 * parts}
