@@ -103,7 +103,7 @@ def test_stale_samples_can_be_down_weighted_instead_of_dropped(tmp_path):
     class Captured(Exception):
         pass
 
-    def capture(prompts, completions, behaviour, advantages, masks, fresh=None, temps=None):
+    def capture(prompts, completions, behaviour, advantages, masks, fresh=None, temps=None, prox_cache=None):
         seen["advantages"] = advantages
         raise Captured  # the step itself is not under test
 
