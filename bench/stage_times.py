@@ -66,7 +66,7 @@ def _timed(owner, name: str, totals: dict, label: str) -> None:
 
 
 def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int, keep_versions: int,
-            engine_process: bool, learner_process: bool, updates_per_batch: int = 1) -> dict:
+            engine_process: bool, learner_process: bool, updates_per_batch: int) -> dict:
     import conveyor.demo as demo
     import learner.recipe
     import reward.scorers

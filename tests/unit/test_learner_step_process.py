@@ -176,19 +176,36 @@ def test_several_updates_per_batch_in_a_child_process_equal_them_in_process(tiny
 def test_the_decoupled_objective_keeps_the_steps_proximal_policy_for_every_update(tiny, tmp_path, monkeypatch):
     """The proximal log-probabilities are taken once, before the step's first update (one pass
     without gradient per micro-batch), and the later updates clip around them."""
+    import learner.recipe
     from learner.grpo import LossConfig
 
     model, tok = tiny
     lrn = _learner(model, tok, tmp_path, updates_per_batch=3, micro_batch=3, loss=LossConfig(objective="decoupled"))
     calls = {"no_grad": 0, "grad": 0}
-    real = lrn._logprobs
+    real_logprobs, real_loss = lrn._logprobs, learner.recipe.clipped_pg_loss
+    proximal, current = [], []  # per loss call, in order: update 1's parts, then update 2's, then 3's
 
     def counted(*a, **k):
         calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
-        return real(*a, **k)
+        return real_logprobs(*a, **k)
+
+    def recorded(new, behaviour, advantages, masks, cfg, prox, *rest):
+        proximal.append([p.clone() for p in prox])
+        current.append([x.detach().clone() for x in new])
+        return real_loss(new, behaviour, advantages, masks, cfg, prox, *rest)
 
     monkeypatch.setattr(lrn, "_logprobs", counted)
+    monkeypatch.setattr(learner.recipe, "clipped_pg_loss", recorded)
     stats = lrn._train_step(_batch(0))
     parts = stats["micro_batches"]
     assert parts > 1
     assert calls == {"no_grad": parts, "grad": 3 * parts}
+    assert len(proximal) == 3 * parts
+    for update in (1, 2):
+        for part in range(parts):
+            later, first = proximal[update * parts + part], proximal[part]
+            assert all(torch.equal(x, y) for x, y in zip(later, first))  # the step's proximal policy, every update
+            # ...which is the policy before the first update: the first update's own log-probabilities,
+            # not the moved policy's of the later updates.
+            assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(first, current[part]))
+            assert any(not torch.allclose(x, y, atol=1e-5) for x, y in zip(later, current[update * parts + part]))
