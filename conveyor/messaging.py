@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -263,6 +264,7 @@ class ServiceClients:
         await self.producer.start()
         self.dead_letters = DeadLetterSink(self.producer, self.dead_letter_topic, self.service)
         if self._heartbeats is not None:
+            self._closing = asyncio.Event()
             self._beating = asyncio.create_task(self._beat(self._heartbeats))
         return self
 
@@ -280,13 +282,19 @@ class ServiceClients:
             await self.transport.create_topics([TopicSpec(topics.heartbeats, 1)])
         except Exception as exc:  # noqa: BLE001 - another service may be creating it
             log.debug("heartbeat.topic", error=repr(exc))
-        while True:
+        closing = self._closing
+        while not closing.is_set():
             try:
                 beat = Heartbeat(run_id=topics.run_id, role=self.service, instance=instance, interval_s=HEARTBEAT_S)
-                await asyncio.wait_for(await pub.publish(beat, key=instance), HEARTBEAT_S)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns normally when the task is
+                # cancelled just as the send completes, and the loop then outlived its service's close.
+                async with asyncio.timeout(HEARTBEAT_S):
+                    await (await pub.publish(beat, key=instance))
             except Exception as exc:  # noqa: BLE001 - best effort (a timeout included)
                 log.debug("heartbeat.skipped", error=repr(exc))
-            await asyncio.sleep(HEARTBEAT_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HEARTBEAT_S):
+                    await closing.wait()  # the next beat, or close
 
     def publisher(self, topic: str, **kwargs) -> Publisher:
         from conveyor.metrics import process_metrics
@@ -305,6 +313,7 @@ class ServiceClients:
 
     async def __aexit__(self, *exc) -> None:
         if self._beating is not None:
+            self._closing.set()  # ends the loop even if a cancellation is lost
             self._beating.cancel()
             await asyncio.gather(self._beating, return_exceptions=True)
         for sub in self._subscribers:

@@ -189,8 +189,11 @@ class MemoryConsumer:
                 return []
             async with self._broker.changed:
                 try:
-                    await asyncio.wait_for(self._broker.changed.wait(), remaining)
-                except asyncio.TimeoutError:
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for returns normally when the
+                    # caller is cancelled just as the wait ends, and the cancellation is lost.
+                    async with asyncio.timeout(remaining):
+                        await self._broker.changed.wait()
+                except TimeoutError:
                     return []
 
     async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
