@@ -67,7 +67,8 @@ def summarise(times: dict[int, dict[str, float | None]]) -> dict:
 def describe(threshold: float, summary: dict) -> str:
     geo, summed = summary["geo"], summary["summed"]
     text = f"at {threshold}: " + (f"{geo:.2f} x (summed {summed:.2f} x)" if geo is not None and summed is not None else "no ratio" if geo is None else f"{geo:.2f} x")
-    text += f" over {len(summary['ratios'])} seeds"
+    n = len(summary["ratios"])
+    text += f" over {n} seed{'' if n == 1 else 's'}"
     for key, what in (("async_only", "only the asynchronous run reached it"), ("sync_only", "only lock step reached it"), ("neither", "neither reached it")):
         if summary[key]:
             text += f"; {what}: seeds {summary[key]}"
