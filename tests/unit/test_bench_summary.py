@@ -35,3 +35,6 @@ def test_no_seed_reached_by_both_gives_no_figure():
 def test_a_warmed_up_model_that_already_passes_is_a_ratio_of_one():
     s = summarise({0: {"sync": 0.0, "async": 0.0}, 1: {"sync": 3.0, "async": 1.5}})
     assert s["ratios"] == {0: 1.0, 1: 2.0}
+    only = summarise({0: {"sync": 0.0, "async": 0.0}})
+    assert only["geo"] == 1.0 and only["summed"] == 1.0
+    assert describe(0.7, only) == "at 0.7: 1.00 x (summed 1.00 x) over 1 seed"
