@@ -23,8 +23,18 @@ With several seeds the figure is the geometric mean of the per-seed ratios
 runs brought to the threshold; a seed that one run or neither reached within
 the budget is listed with the summary, and the other seeds still count. The
 summary also gives the figure at 0.8, 0.85 and 0.9 (offline evaluation: the
-same evaluated versions). Ends with ``FIGURE async_speedup <v> x``; exits 1
-if no seed reached the threshold in both runs.
+same evaluated versions). With two or more such seeds it gives a 95% interval for
+the figure (Student's t over the per-seed log ratios): on these machines a seed's
+ratio moves by tens of percent from run to run, and the interval says how far the
+figure is from the goal. Ends with ``FIGURE async_speedup <v> x``; exits 1 if no
+seed reached the threshold in both runs.
+
+Every invocation writes its per-seed times to ``<out>/async_vs_sync-<stamp>.json``;
+``--combine FILE...`` summarises several of them as one set of seeds (the same
+settings, each seed once), so seeds run in separate invocations, or interleaved
+with another setting in the same hour, count together:
+
+    python bench/async_vs_sync.py --combine runs/bench/async_vs_sync-*.json [--threshold 0.85]
 """
 
 from __future__ import annotations
@@ -40,6 +50,24 @@ from pathlib import Path
 
 if not __package__:  # run as a script: the repository root, not bench/, on the path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+# The arguments that must match for invocations to be summarised together (--combine).
+SETTINGS = ("budget", "eval_every", "grid", "heldout", "async_objective", "engine_process", "learner_process",
+            "max_lag", "updates_per_batch")
+
+
+def interval(ratios: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Confidence interval of the geometric mean of ``ratios`` (Student's t on their
+    logarithms), or None under two ratios."""
+    if len(ratios) < 2:
+        return None
+    from scipy import stats
+
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = stats.t.ppf(0.5 + confidence / 2, len(logs) - 1) * sd / math.sqrt(len(logs))
+    return math.exp(mean - half), math.exp(mean + half)
 
 
 def summarise(times: dict[int, dict[str, float | None]]) -> dict:
@@ -62,6 +90,7 @@ def summarise(times: dict[int, dict[str, float | None]]) -> dict:
     out["geo"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None
     # (only seeds that both passed at 0.0: a ratio of one, as each of them is)
     out["summed"] = (summed["sync"] / summed["async"] if summed["async"] > 0 else 1.0) if ratios else None
+    out["interval"] = interval(ratios)
     return out
 
 
@@ -70,10 +99,67 @@ def describe(threshold: float, summary: dict) -> str:
     text = f"at {threshold}: " + (f"{geo:.2f} x (summed {summed:.2f} x)" if geo is not None else "no ratio")
     n = len(summary["ratios"])
     text += f" over {n} seed{'' if n == 1 else 's'}"
+    if summary.get("interval"):
+        text += ", 95% interval {:.2f}-{:.2f}".format(*summary["interval"])
     for key, what in (("async_only", "only the asynchronous run reached it"), ("sync_only", "only lock step reached it"), ("neither", "neither reached it")):
         if summary[key]:
             text += f"; {what}: seeds {summary[key]}"
     return text
+
+
+def save(out_dir: Path, settings: dict, times: dict, step_ratios: dict[int, float], stamp: str) -> Path:
+    """One invocation's per-seed times, for ``--combine``."""
+    path = out_dir / f"async_vs_sync-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "settings": settings,
+        "times": {str(th): {str(seed): t for seed, t in by_seed.items()} for th, by_seed in times.items()},
+        "step_ratios": {str(seed): r for seed, r in step_ratios.items()},
+    }, indent=1))
+    return path
+
+
+def combine(paths: list[Path]) -> tuple[dict, dict, dict[int, float]]:
+    """Several invocations' files as one set of seeds: (settings, times, step_ratios).
+    Refuses files whose settings differ (naming the field) and a seed given twice."""
+    settings: dict | None = None
+    times: dict[float, dict[int, dict]] = {}
+    step_ratios: dict[int, float] = {}
+    seen: dict[int, Path] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if settings is None:
+            settings, first = data["settings"], path
+        for key in sorted(set(settings) | set(data["settings"])):
+            if settings.get(key) != data["settings"].get(key):
+                raise SystemExit(f"{path}: {key} is {data['settings'].get(key)!r}, {first} has {settings.get(key)!r}: "
+                                 "only runs with the same settings are summarised together")
+        for seed, r in data["step_ratios"].items():
+            if int(seed) in seen:
+                raise SystemExit(f"seed {seed} is in both {seen[int(seed)]} and {path}: each seed counts once")
+            seen[int(seed)] = path
+            step_ratios[int(seed)] = r
+        for th, by_seed in data["times"].items():
+            for seed, t in by_seed.items():
+                times.setdefault(float(th), {})[int(seed)] = t
+    if settings is None:
+        raise SystemExit("--combine: no files")
+    return settings, times, step_ratios
+
+
+def report(times: dict[float, dict[int, dict]], step_ratios: dict[int, float], threshold: float, budget: float) -> None:
+    """The summary lines and the FIGUREs; exits 1 when no seed reached ``threshold`` in both runs."""
+    for th in sorted(times):
+        print(describe(th, summarise(times[th])) + (" (the figure)" if th == threshold else ""))
+    main_summary = summarise(times.get(threshold, {}))
+    ratios = list(step_ratios.values())
+    if ratios:
+        print(f"FIGURE async_steps_per_s_ratio {math.exp(sum(math.log(r) for r in ratios) / len(ratios)):.2f} x")
+    if main_summary["geo"] is None:
+        print(f"no seed reached {threshold} in both runs within {budget} s: no figure")
+        raise SystemExit(1)
+    print(f"FIGURE async_speedup_total {main_summary['summed']:.2f} x")
+    print(f"FIGURE async_speedup {main_summary['geo']:.2f} x")
 
 
 def time_to(evals: list[dict], threshold: float) -> float | None:
@@ -144,14 +230,23 @@ def main() -> None:
     parser.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (the demo's default: %(default)s; --no-learner-process: in process)")
     parser.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's max_lag (the lock-step run has 0)")
     parser.add_argument("--updates-per-batch", type=int, default=DemoConfig.updates_per_batch, help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="FILE", help="summarise earlier invocations' async_vs_sync-*.json as one set of seeds; runs nothing")
     args = parser.parse_args()
+
+    if args.combine:
+        settings, times, step_ratios = combine(args.combine)
+        print("settings: " + ", ".join(f"{k} {v}" for k, v in sorted(settings.items())))
+        if args.threshold not in times:
+            raise SystemExit(f"--threshold {args.threshold}: the files hold {sorted(times)}")
+        report(times, step_ratios, args.threshold, settings["budget"])
+        return
 
     seeds = [args.seed] if args.seed is not None else args.seeds
     stamp = time.strftime("%Y%m%d-%H%M%S")
     # times[threshold][seed][mode]: seconds of RL to the threshold, None if not reached
     thresholds = sorted({args.threshold} | ({0.8, 0.85, 0.9} if args.eval_every == 0 else set()))
     times: dict[float, dict[int, dict[str, float | None]]] = {th: {} for th in thresholds}
-    step_ratios = []
+    step_ratios: dict[int, float] = {}
     for seed in seeds:
         steps_per_s = {}
         for mode in ("sync", "async"):
@@ -191,20 +286,15 @@ def main() -> None:
                 + f"; max staleness {r.max_staleness}",
                 flush=True,
             )
-        step_ratios.append(steps_per_s["async"] / steps_per_s["sync"])
+        step_ratios[seed] = steps_per_s["async"] / steps_per_s["sync"]
         t = times[args.threshold][seed]
         ratio = summarise({seed: t})["ratios"].get(seed)
         print(f"seed {seed}: async_speedup {'not measured (' + str(t) + ')' if ratio is None else f'{ratio:.2f} x'}, "
-              f"steps/s ratio {step_ratios[-1]:.2f}", flush=True)
-    for th in thresholds:
-        print(describe(th, summarise(times[th])) + (" (the figure)" if th == args.threshold else ""))
-    main_summary = summarise(times[args.threshold])
-    print(f"FIGURE async_steps_per_s_ratio {math.exp(sum(math.log(r) for r in step_ratios) / len(step_ratios)):.2f} x")
-    if main_summary["geo"] is None:
-        print(f"no seed reached {args.threshold} in both runs within {args.budget} s: no figure")
-        raise SystemExit(1)
-    print(f"FIGURE async_speedup_total {main_summary['summed']:.2f} x")
-    print(f"FIGURE async_speedup {main_summary['geo']:.2f} x")
+              f"steps/s ratio {step_ratios[seed]:.2f}", flush=True)
+        # Written after every seed: an invocation cut short still leaves the seeds it finished.
+        path = save(args.out, {k: getattr(args, k) for k in SETTINGS}, times, step_ratios, stamp)
+    print(f"per-seed times: {path} (--combine)")
+    report(times, step_ratios, args.threshold, args.budget)
 
 
 if __name__ == "__main__":
