@@ -54,10 +54,12 @@ class DemoConfig:
     max_lag: int = 1
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
-    # Two optimizer updates per batch (PPO epochs): the asynchronous run's learner waits for batches
-    # half of the time, so the second update costs it little wall time and reached 0.85 sooner
-    # (docs/BENCHMARKS.md, "Two updates per batch").
-    updates_per_batch: int = 2
+    # One optimizer update per batch. Two (PPO epochs) were the default for a while: the asynchronous
+    # learner waits for batches half of the time, so a second update costs it little wall time. In the
+    # same hour they reached 0.85 no sooner than one, and at lr 5e-4 about one seed-0 CI run in three
+    # unlearnt a[0] (reward 0.97 -> 0.1 within four versions) and never recovered; one update did
+    # not in twelve runs (docs/BENCHMARKS.md, "A late regression in the CI demo").
+    updates_per_batch: int = 1
     # The engine and the learner's optimizer steps each in a child process (rollout_workers/process_engine.py,
     # learner/step_process.py): as threads of one process they contend for the GIL with each other and with
     # the event loop's services (docs/BENCHMARKS.md, "Both torch loops in child processes by default").

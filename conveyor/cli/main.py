@@ -107,7 +107,7 @@ def demo(
     learner_process: bool = typer.Option(True, "--learner-process/--learner-in-process", help="Run the learner's optimizer steps in a child process."),
     objective: str = typer.Option("behaviour", help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
     entropy_coef: float = typer.Option(0.0, help="Weight of the policy's entropy as a bonus in the objective."),
-    updates_per_batch: int = typer.Option(2, help="Optimizer updates on each step's batch (PPO epochs)."),
+    updates_per_batch: int = typer.Option(1, help="Optimizer updates on each step's batch (PPO epochs)."),
     target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
     eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end)."),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),

@@ -59,13 +59,18 @@ def test_staleness_never_exceeds_max_lag(demo):
 
 
 def test_reward_rises(demo):
+    """The margins are set against a learner that does not learn: the same run at lr 1e-12
+    went 0.572 -> 0.631 in reward (the later steps' prompts are easier for this seed) and
+    0.58 -> 0.58 held out, while six runs of this configuration went 0.665 -> 0.847-0.861
+    and 0.58 -> 0.90-0.92 (docs/BENCHMARKS.md, "A late regression in the CI demo")."""
     import json
 
     rows = [json.loads(line) for line in (demo.run_dir / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["reward_mean"] for r in rows[:15]) / 15
     last = sum(r["reward_mean"] for r in rows[-15:]) / 15
-    print(f"reward {first:.3f} -> {last:.3f}")
-    assert last > first + 0.05, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    print(f"reward {first:.3f} -> {last:.3f}, held out {demo.heldout_start:.2f} -> {demo.heldout_end:.2f}")
+    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    assert demo.heldout_end >= demo.heldout_start + 0.2, f"held-out pass rate {demo.heldout_start:.2f} -> {demo.heldout_end:.2f}"
 
 
 def test_report_and_run_directory(demo):

@@ -54,4 +54,4 @@ def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engi
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), *args])
     assert isinstance(result.exception, _Captured), result.output
     assert (seen["cfg"].engine_process, seen["cfg"].learner_process) == (engine_process, learner_process)
-    assert seen["cfg"].updates_per_batch == conveyor.demo.DemoConfig.updates_per_batch == 2  # the CLI's default is the demo's
+    assert seen["cfg"].updates_per_batch == conveyor.demo.DemoConfig.updates_per_batch == 1  # the CLI's default is the demo's
