@@ -57,7 +57,7 @@ class DemoConfig:
     # One optimizer update per batch. Two (PPO epochs) were the default for a while: the asynchronous
     # learner waits for batches half of the time, so a second update costs it little wall time. In the
     # same hour they reached 0.85 no sooner than one, and at lr 5e-4 about one seed-0 CI run in three
-    # unlearnt a[0] (reward 0.97 -> 0.1 within four versions) and never recovered; one update did
+    # unlearnt a[0] (its reward ~1.0 -> 0.0 within four versions) and never recovered; one update did
     # not in twelve runs (docs/BENCHMARKS.md, "A late regression in the CI demo").
     updates_per_batch: int = 1
     # The engine and the learner's optimizer steps each in a child process (rollout_workers/process_engine.py,
