@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -56,6 +57,10 @@ SETTINGS = ("budget", "eval_every", "grid", "heldout", "async_objective", "engin
             "max_lag", "updates_per_batch")
 
 
+def geomean(ratios) -> float:
+    return math.exp(statistics.fmean(math.log(r) for r in ratios))
+
+
 def interval(ratios: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
     """Confidence interval of the geometric mean of ``ratios`` (Student's t on their
     logarithms), or None under two ratios."""
@@ -64,9 +69,8 @@ def interval(ratios: list[float], confidence: float = 0.95) -> tuple[float, floa
     from scipy import stats
 
     logs = [math.log(r) for r in ratios]
-    mean = sum(logs) / len(logs)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
-    half = stats.t.ppf(0.5 + confidence / 2, len(logs) - 1) * sd / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    half = stats.t.ppf(0.5 + confidence / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean - half), math.exp(mean + half)
 
 
@@ -87,7 +91,7 @@ def summarise(times: dict[int, dict[str, float | None]]) -> dict:
         summed["sync"] += s
         summed["async"] += a
     ratios = list(out["ratios"].values())
-    out["geo"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None
+    out["geo"] = geomean(ratios) if ratios else None
     # (only seeds that both passed at 0.0: a ratio of one, as each of them is)
     out["summed"] = (summed["sync"] / summed["async"] if summed["async"] > 0 else 1.0) if ratios else None
     out["interval"] = interval(ratios)
@@ -154,7 +158,7 @@ def report(times: dict[float, dict[int, dict]], step_ratios: dict[int, float], t
     main_summary = summarise(times.get(threshold, {}))
     ratios = list(step_ratios.values())
     if ratios:
-        print(f"FIGURE async_steps_per_s_ratio {math.exp(sum(math.log(r) for r in ratios) / len(ratios)):.2f} x")
+        print(f"FIGURE async_steps_per_s_ratio {geomean(ratios):.2f} x")
     if main_summary["geo"] is None:
         print(f"no seed reached {threshold} in both runs within {budget} s: no figure")
         raise SystemExit(1)
