@@ -111,24 +111,29 @@ def describe(threshold: float, summary: dict) -> str:
     return text
 
 
-def save(out_dir: Path, settings: dict, times: dict, step_ratios: dict[int, float], stamp: str) -> Path:
-    """One invocation's per-seed times, for ``--combine``."""
+def save(out_dir: Path, settings: dict, times: dict, step_ratios: dict[int, float], stamp: str,
+         paces: dict[int, dict[str, float]] | None = None) -> Path:
+    """One invocation's per-seed times, for ``--combine``; ``paces``: per seed, each run's
+    learner steps per second (the machine's pace: the same code runs 2-5x slower on some
+    of these machines than on others, and the ratio moves with it)."""
     path = out_dir / f"async_vs_sync-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "settings": settings,
         "times": {str(th): {str(seed): t for seed, t in by_seed.items()} for th, by_seed in times.items()},
         "step_ratios": {str(seed): r for seed, r in step_ratios.items()},
+        "steps_per_s": {str(seed): p for seed, p in (paces or {}).items()},
     }, indent=1))
     return path
 
 
-def combine(paths: list[Path]) -> tuple[dict, dict, dict[int, float]]:
-    """Several invocations' files as one set of seeds: (settings, times, step_ratios).
+def combine(paths: list[Path]) -> tuple[dict, dict, dict[int, float], dict[int, dict[str, float]]]:
+    """Several invocations' files as one set of seeds: (settings, times, step_ratios, paces).
     Refuses files whose settings differ (naming the field) and a seed given twice."""
     settings: dict | None = None
     times: dict[float, dict[int, dict]] = {}
     step_ratios: dict[int, float] = {}
+    paces: dict[int, dict[str, float]] = {}
     seen: dict[int, Path] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -143,16 +148,22 @@ def combine(paths: list[Path]) -> tuple[dict, dict, dict[int, float]]:
                 raise SystemExit(f"seed {seed} is in both {seen[int(seed)]} and {path}: each seed counts once")
             seen[int(seed)] = path
             step_ratios[int(seed)] = r
+        for seed, p in data.get("steps_per_s", {}).items():  # (files from before it was recorded have none)
+            paces[int(seed)] = p
         for th, by_seed in data["times"].items():
             for seed, t in by_seed.items():
                 times.setdefault(float(th), {})[int(seed)] = t
     if settings is None:
         raise SystemExit("--combine: no files")
-    return settings, times, step_ratios
+    return settings, times, step_ratios, paces
 
 
-def report(times: dict[float, dict[int, dict]], step_ratios: dict[int, float], threshold: float, budget: float) -> None:
+def report(times: dict[float, dict[int, dict]], step_ratios: dict[int, float], threshold: float, budget: float,
+           paces: dict[int, dict[str, float]] | None = None) -> None:
     """The summary lines and the FIGUREs; exits 1 when no seed reached ``threshold`` in both runs."""
+    if paces:
+        sync = sorted(p["sync"] for p in paces.values())
+        print(f"lock-step pace (the machine's): {sync[0]:.2f}-{sync[-1]:.2f} steps/s over {len(sync)} seed{'' if len(sync) == 1 else 's'}")
     for th in sorted(times):
         print(describe(th, summarise(times[th])) + (" (the figure)" if th == threshold else ""))
     main_summary = summarise(times.get(threshold, {}))
@@ -238,11 +249,11 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.combine:
-        settings, times, step_ratios = combine(args.combine)
+        settings, times, step_ratios, paces = combine(args.combine)
         print("settings: " + ", ".join(f"{k} {v}" for k, v in sorted(settings.items())))
         if args.threshold not in times:
             raise SystemExit(f"--threshold {args.threshold}: the files hold {sorted(times)}")
-        report(times, step_ratios, args.threshold, settings["budget"])
+        report(times, step_ratios, args.threshold, settings["budget"], paces)
         return
 
     seeds = [args.seed] if args.seed is not None else args.seeds
@@ -251,6 +262,7 @@ def main() -> None:
     thresholds = sorted({args.threshold} | ({0.8, 0.85, 0.9} if args.eval_every == 0 else set()))
     times: dict[float, dict[int, dict[str, float | None]]] = {th: {} for th in thresholds}
     step_ratios: dict[int, float] = {}
+    paces: dict[int, dict[str, float]] = {}
     for seed in seeds:
         steps_per_s = {}
         for mode in ("sync", "async"):
@@ -291,14 +303,15 @@ def main() -> None:
                 flush=True,
             )
         step_ratios[seed] = steps_per_s["async"] / steps_per_s["sync"]
+        paces[seed] = steps_per_s
         t = times[args.threshold][seed]
         ratio = summarise({seed: t})["ratios"].get(seed)
         print(f"seed {seed}: async_speedup {'not measured (' + str(t) + ')' if ratio is None else f'{ratio:.2f} x'}, "
               f"steps/s ratio {step_ratios[seed]:.2f}", flush=True)
         # Written after every seed: an invocation cut short still leaves the seeds it finished.
-        path = save(args.out, {k: getattr(args, k) for k in SETTINGS}, times, step_ratios, stamp)
+        path = save(args.out, {k: getattr(args, k) for k in SETTINGS}, times, step_ratios, stamp, paces)
     print(f"per-seed times: {path} (--combine)")
-    report(times, step_ratios, args.threshold, args.budget)
+    report(times, step_ratios, args.threshold, args.budget, paces)
 
 
 if __name__ == "__main__":

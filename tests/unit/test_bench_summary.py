@@ -65,7 +65,7 @@ def _invocation(tmp_path, stamp, seeds, **settings):
 
     base = dict.fromkeys(SETTINGS, 1) | settings
     times = {0.85: {s: {"sync": 3.0 + s, "async": 2.0} for s in seeds}, 0.9: {s: {"sync": None, "async": 5.0} for s in seeds}}
-    return save(tmp_path, base, times, {s: 1.3 for s in seeds}, stamp)
+    return save(tmp_path, base, times, {s: 1.3 for s in seeds}, stamp, {s: {"sync": 2.0 + s, "async": 2.6 + s} for s in seeds})
 
 
 def test_invocations_combine_into_one_set_of_seeds(tmp_path):
@@ -73,11 +73,25 @@ def test_invocations_combine_into_one_set_of_seeds(tmp_path):
 
     a = _invocation(tmp_path, "a", [0, 1])
     b = _invocation(tmp_path, "b", [2])
-    settings, times, steps = combine([a, b])
+    settings, times, steps, paces = combine([a, b])
     assert settings["max_lag"] == 1
     assert times[0.85] == {0: {"sync": 3.0, "async": 2.0}, 1: {"sync": 4.0, "async": 2.0}, 2: {"sync": 5.0, "async": 2.0}}
     assert times[0.9][2] == {"sync": None, "async": 5.0}
     assert steps == {0: 1.3, 1: 1.3, 2: 1.3}
+    assert paces == {0: {"sync": 2.0, "async": 2.6}, 1: {"sync": 3.0, "async": 3.6}, 2: {"sync": 4.0, "async": 4.6}}
+
+
+def test_files_without_paces_still_combine(tmp_path):
+    import json
+
+    from bench.async_vs_sync import combine
+
+    a = _invocation(tmp_path, "a", [0])
+    data = json.loads(a.read_text())
+    del data["steps_per_s"]  # written before the pace was recorded
+    a.write_text(json.dumps(data))
+    _, _, steps, paces = combine([a, _invocation(tmp_path, "b", [1])])
+    assert steps == {0: 1.3, 1: 1.3} and paces == {1: {"sync": 3.0, "async": 3.6}}
 
 
 def test_combine_refuses_other_settings_and_a_seed_twice(tmp_path):
@@ -97,9 +111,10 @@ def test_report_prints_the_figures_and_exits_1_without_one(capsys):
 
     from bench.async_vs_sync import report
 
-    report({0.85: {0: {"sync": 3.0, "async": 2.0}}}, {0: 1.2}, 0.85, 30)
+    report({0.85: {0: {"sync": 3.0, "async": 2.0}}}, {0: 1.2}, 0.85, 30, {0: {"sync": 2.5, "async": 3.0}})
     out = capsys.readouterr().out
     assert "FIGURE async_speedup 1.50 x" in out and "FIGURE async_steps_per_s_ratio 1.20 x" in out
+    assert "lock-step pace (the machine's): 2.50-2.50 steps/s over 1 seed" in out
     with pytest.raises(SystemExit) as e:
         report({0.85: {0: {"sync": None, "async": 2.0}}}, {0: 1.2}, 0.85, 30)
     assert e.value.code == 1
