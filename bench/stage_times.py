@@ -2,7 +2,7 @@
 the two cores allow at best.
 
 Runs ``conveyor demo`` twice with the same seed (each in a fresh process):
-``--sync`` and asynchronous (max_lag 1), ``--budget`` seconds of RL each, no
+``--sync`` and asynchronous (``--max-lag``, the demo's by default), ``--budget`` seconds of RL each, no
 evaluation inside the runs. In each run it times the three stages where they
 run (the learner's train step, the reference engine's batch generation, the
 reward bridge's sandbox batch) and counts the CPU the whole machine spent
@@ -17,7 +17,7 @@ every core in the lock-step run (the sandbox runs its jobs two at a time) gain
 nothing from overlapping; single-threaded ones (the learner, the engine, the
 event loop) gain up to the number of cores.
 
-    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag 1] [--keep-versions 3] [--updates-per-batch N] [--no-engine-process] [--no-learner-process]
+    python bench/stage_times.py [--seed 0] [--budget 25] [--warmup-steps 800] [--max-lag N] [--keep-versions 3] [--updates-per-batch N] [--no-engine-process] [--no-learner-process]
 
 Ends with ``FIGURE async_steps_per_s_ratio <v> x`` and ``FIGURE async_bound <v> x``.
 """
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=25.0, help="seconds of RL per run")
     ap.add_argument("--warmup-steps", type=int, default=800, help="the demo's default")
-    ap.add_argument("--max-lag", type=int, default=1, help="the asynchronous run's (the demo's default: 1)")
+    ap.add_argument("--max-lag", type=int, default=DemoConfig.max_lag, help="the asynchronous run's (the demo's default: %(default)s)")
     ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DemoConfig.engine_process, help="both runs sample in a child process (ProcessEngine; the demo's default: %(default)s; --no-engine-process: in process)")
     ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (StepProcess; the demo's default: %(default)s; --no-learner-process: in process)")

@@ -51,9 +51,14 @@ class DemoConfig:
     max_steps: int | None = None
     batch_groups: int = 16
     group_size: int = 8
-    max_lag: int = 1
+    # Policy versions a sample may lag the learner. 3: with four batches in flight generation, scoring and
+    # training overlap more than at 1, and the demo's task learns as well per step: to a held-out 0.9,
+    # 1.69x lock step's time against 1.41x at lag 1 over the same five seeds in one hour
+    # (docs/BENCHMARKS.md, "Lag 3, and the figure at 0.9").
+    max_lag: int = 3
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
+    kl_coef: float = 0.0  # learner.grpo.LossConfig.kl_coef: a KL penalty toward the warmed-up model
     # One optimizer update per batch. Two (PPO epochs) were the default for a while: the asynchronous
     # learner waits for batches half of the time, so a second update costs it little wall time. In the
     # same hour they reached 0.85 no sooner than one, and at lr 5e-4 about one seed-0 CI run in three
@@ -168,7 +173,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
         run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr, checkpoint_every=25,
         keep_versions=cfg.keep_versions, pack_tokens=cfg.pack_tokens,
-        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef), step_process=cfg.learner_process,
+        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef), step_process=cfg.learner_process,
         updates_per_batch=cfg.updates_per_batch,
     )
     sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
@@ -310,6 +315,8 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
     if cfg.entropy_coef < 0:
         raise SystemExit(f"--entropy-coef {cfg.entropy_coef}: >= 0 (0: no entropy bonus)")
+    if cfg.kl_coef < 0:
+        raise SystemExit(f"--kl-coef {cfg.kl_coef}: >= 0 (0: no KL penalty)")
     if cfg.updates_per_batch < 1:
         raise SystemExit(f"--updates-per-batch {cfg.updates_per_batch}: >= 1")
     t0 = time.monotonic()

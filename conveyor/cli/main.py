@@ -102,11 +102,12 @@ def demo(
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many learner steps."),
     warmup_steps: int = typer.Option(800, help="Supervised warm-up steps."),
     warmup_noise: float = typer.Option(0.7, help="How often the warm-up teacher is wrong on the expressions it confuses."),
-    max_lag: int = typer.Option(1, help="Policy versions a sample may lag the learner."),
+    max_lag: int = typer.Option(3, help="Policy versions a sample may lag the learner."),
     engine_process: bool = typer.Option(True, "--engine-process/--engine-in-process", help="Sample in a child process (no GIL shared with the learner and the services)."),
     learner_process: bool = typer.Option(True, "--learner-process/--learner-in-process", help="Run the learner's optimizer steps in a child process."),
     objective: str = typer.Option("behaviour", help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
     entropy_coef: float = typer.Option(0.0, help="Weight of the policy's entropy as a bonus in the objective."),
+    kl_coef: float = typer.Option(0.0, help="Weight of a KL penalty toward the warmed-up model (k3 estimator; 0: none)."),
     updates_per_batch: int = typer.Option(1, help="Optimizer updates on each step's batch (PPO epochs)."),
     target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
     eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end)."),
@@ -118,7 +119,7 @@ def demo(
     cfg = DemoConfig(
         seed=seed, engine=engine, sync=sync, rl_budget_s=budget, max_steps=max_steps, warmup_steps=warmup_steps,
         warmup_noise=warmup_noise,
-        max_lag=max_lag, objective=objective, entropy_coef=entropy_coef, updates_per_batch=updates_per_batch, engine_process=engine_process, learner_process=learner_process, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
+        max_lag=max_lag, objective=objective, entropy_coef=entropy_coef, kl_coef=kl_coef, updates_per_batch=updates_per_batch, engine_process=engine_process, learner_process=learner_process, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
     )
     display = make_display(sys.stderr.isatty())
     try:

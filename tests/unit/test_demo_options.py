@@ -12,6 +12,7 @@ from conveyor.demo import DemoConfig, run_demo
         ({"eval_every_s": 0.0, "target_pass_rate": 0.8}, "--target needs evaluations"),
         ({"engine": "tgi"}, "--engine tgi"),
         ({"entropy_coef": -0.01}, "--entropy-coef -0.01"),
+        ({"kl_coef": -0.1}, "--kl-coef -0.1"),
         ({"updates_per_batch": 0}, "--updates-per-batch 0"),
     ],
 )
@@ -55,3 +56,5 @@ def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engi
     assert isinstance(result.exception, _Captured), result.output
     assert (seen["cfg"].engine_process, seen["cfg"].learner_process) == (engine_process, learner_process)
     assert seen["cfg"].updates_per_batch == conveyor.demo.DemoConfig.updates_per_batch == 1  # the CLI's default is the demo's
+    assert seen["cfg"].kl_coef == conveyor.demo.DemoConfig.kl_coef == 0.0
+    assert seen["cfg"].max_lag == conveyor.demo.DemoConfig.max_lag == 3

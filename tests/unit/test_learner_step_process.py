@@ -209,3 +209,28 @@ def test_the_decoupled_objective_keeps_the_steps_proximal_policy_for_every_updat
             # not the moved policy's of the later updates.
             assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(first, current[part]))
             assert any(not torch.allclose(x, y, atol=1e-5) for x, y in zip(later, current[update * parts + part]))
+
+
+def test_the_kl_penalty_holds_the_child_to_the_starting_policy_as_in_process(tiny, tmp_path):
+    """``kl_coef > 0`` (``conveyor demo --kl-coef``): the child keeps its own frozen copy of the
+    policy it started from, so the penalty is the in-process learner's, step for step."""
+    from learner.grpo import LossConfig
+
+    model, tok = tiny
+    loss = LossConfig(kl_coef=0.5)
+    here = _learner(model, tok, tmp_path / "a", loss=loss)
+    there = _learner(model, tok, tmp_path / "b", loss=loss, step_process=True)
+    plain = _learner(model, tok, tmp_path / "c")
+    try:
+        kls = []
+        for step in range(3):
+            a, b, c = here._train_step(_batch(step)), there._train_step(_batch(step)), plain._train_step(_batch(step))
+            assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9) and "kl" not in c
+            kls.append(a["kl"])
+        assert kls[0] == pytest.approx(0.0, abs=1e-9) and kls[2] > 0  # the policy starts at the reference, then moves away
+        wa, wb, wc = _weights(here), _weights(there), _weights(plain)
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=k)
+        assert any(not torch.allclose(wa[k], wc[k]) for k in wa)  # the penalty changed the updates
+    finally:
+        there.close()
