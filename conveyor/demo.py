@@ -52,9 +52,9 @@ class DemoConfig:
     batch_groups: int = 16
     group_size: int = 8
     # Policy versions a sample may lag the learner. 3: with four batches in flight generation, scoring and
-    # training overlap more than at 1, and the demo's task learns as well per step: to a held-out 0.9,
-    # 1.69x lock step's time against 1.41x at lag 1 over the same five seeds in one hour
-    # (docs/BENCHMARKS.md, "Lag 3, and the figure at 0.9").
+    # training overlap more than at 1 (~7% more steps/s), and the demo's task reached a held-out 0.9 in no
+    # more learner steps: 1.69x lock step's time against 1.41x at lag 1 over the same five seeds in one
+    # hour (docs/BENCHMARKS.md, "Lag 3, and the figure at 0.9").
     max_lag: int = 3
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
