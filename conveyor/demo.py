@@ -53,8 +53,8 @@ class DemoConfig:
     group_size: int = 8
     # Policy versions a sample may lag the learner. 3: with four batches in flight generation, scoring and
     # training overlap more than at 1 (~7% more steps/s), and the demo's task reached a held-out 0.9 in no
-    # more learner steps: 1.69x lock step's time against 1.41x at lag 1 over the same five seeds in one
-    # hour (docs/BENCHMARKS.md, "Lag 3, and the figure at 0.9").
+    # more learner steps: 1.74x lock step's time against 1.48x at lag 1 over the same ten seeds (overlapping
+    # intervals; docs/BENCHMARKS.md, "Lag 3, and the figure at 0.9").
     max_lag: int = 3
     objective: str = "behaviour"  # learner.grpo.LossConfig.objective
     entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
