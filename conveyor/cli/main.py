@@ -17,6 +17,7 @@ from conveyor.cli import stack as stack_cli
 from conveyor.cli import tasks as tasks_cli
 from conveyor.cli import topics as topics_cli
 from conveyor.cli import train as train_cli
+from conveyor.demo import DemoConfig  # the demo command's defaults are the config's
 
 app = typer.Typer(
     name="conveyor",
@@ -95,26 +96,26 @@ def config_validate(
 
 @app.command()
 def demo(
-    seed: int = typer.Option(0, help="Seed for the model, warm-up data, sampling and task order."),
-    engine: str = typer.Option("reference", help="reference | vllm"),
+    seed: int = typer.Option(DemoConfig.seed, help="Seed for the model, warm-up data, sampling and task order."),
+    engine: str = typer.Option(DemoConfig.engine, help="reference | vllm"),
     sync: bool = typer.Option(False, "--sync", help="Lock step: generate, then score, then train (max_lag 0)."),
-    budget: float = typer.Option(90.0, help="Seconds of RL after the warm-up."),
+    budget: float = typer.Option(DemoConfig.rl_budget_s, help="Seconds of RL after the warm-up."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many learner steps."),
-    warmup_steps: int = typer.Option(800, help="Supervised warm-up steps."),
-    warmup_noise: float = typer.Option(0.7, help="How often the warm-up teacher is wrong on the expressions it confuses."),
-    max_lag: int = typer.Option(3, help="Policy versions a sample may lag the learner."),
-    engine_process: bool = typer.Option(True, "--engine-process/--engine-in-process", help="Sample in a child process (no GIL shared with the learner and the services)."),
-    learner_process: bool = typer.Option(True, "--learner-process/--learner-in-process", help="Run the learner's optimizer steps in a child process."),
-    objective: str = typer.Option("behaviour", help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
-    entropy_coef: float = typer.Option(0.0, help="Weight of the policy's entropy as a bonus in the objective."),
-    kl_coef: float = typer.Option(0.0, help="Weight of a KL penalty toward the warmed-up model (k3 estimator; 0: none)."),
-    updates_per_batch: int = typer.Option(1, help="Optimizer updates on each step's batch (PPO epochs)."),
+    warmup_steps: int = typer.Option(DemoConfig.warmup_steps, help="Supervised warm-up steps."),
+    warmup_noise: float = typer.Option(DemoConfig.warmup_noise, help="How often the warm-up teacher is wrong on the expressions it confuses."),
+    max_lag: int = typer.Option(DemoConfig.max_lag, help="Policy versions a sample may lag the learner."),
+    engine_process: bool = typer.Option(DemoConfig.engine_process, "--engine-process/--engine-in-process", help="Sample in a child process (no GIL shared with the learner and the services)."),
+    learner_process: bool = typer.Option(DemoConfig.learner_process, "--learner-process/--learner-in-process", help="Run the learner's optimizer steps in a child process."),
+    objective: str = typer.Option(DemoConfig.objective, help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
+    entropy_coef: float = typer.Option(DemoConfig.entropy_coef, help="Weight of the policy's entropy as a bonus in the objective."),
+    kl_coef: float = typer.Option(DemoConfig.kl_coef, help="Weight of a KL penalty toward the warmed-up model (k3 estimator; 0: none)."),
+    updates_per_batch: int = typer.Option(DemoConfig.updates_per_batch, help="Optimizer updates on each step's batch (PPO epochs)."),
     target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
-    eval_every: float = typer.Option(3.0, help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end)."),
+    eval_every: float = typer.Option(DemoConfig.eval_every_s, help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end)."),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
     """Run the whole pipeline on this machine (the services in one process) and watch a policy learn."""
-    from conveyor.demo import DemoConfig, make_display, run_demo
+    from conveyor.demo import make_display, run_demo
 
     cfg = DemoConfig(
         seed=seed, engine=engine, sync=sync, rl_budget_s=budget, max_steps=max_steps, warmup_steps=warmup_steps,

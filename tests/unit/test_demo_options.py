@@ -58,3 +58,5 @@ def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engi
     assert seen["cfg"].updates_per_batch == conveyor.demo.DemoConfig.updates_per_batch == 1  # the CLI's default is the demo's
     assert seen["cfg"].kl_coef == conveyor.demo.DemoConfig.kl_coef == 0.0
     assert seen["cfg"].max_lag == conveyor.demo.DemoConfig.max_lag == 3
+    if not args:  # no options: every field is the config's default
+        assert seen["cfg"] == conveyor.demo.DemoConfig(out_dir=tmp_path)
