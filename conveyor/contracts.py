@@ -339,6 +339,34 @@ class LearnerProgress(Message, frozen=True, kw_only=True, tag="progress"):
     max_staleness: int | None = None  # policy versions between the last step's oldest sample and its weights
 
 
+class Admission(Message, frozen=True, kw_only=True, tag="admission"):
+    """One entry of the run's admission ledger (the single-partition ``admissions`` topic),
+    which every rollout worker and producer reads in the same order (``conveyor/admission.py``).
+
+    ``kind`` "claim": a rollout worker is about to generate these task attempts; the ledger's
+    order gives each attempt its ticket (the samples claimed up to and including it, counting
+    each attempt once, whoever claims it again). ``kind`` "offer": a producer published them
+    to the tasks topic. ``keys[i]`` is ``"<task_id>/<attempt>"``, ``samples[i]`` its group size.
+    Key: ``run_id``."""
+
+    run_id: str
+    kind: Literal["claim", "offer"]
+    member: str  # the claiming worker's or offering producer's instance id
+    keys: list[str]
+    samples: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.samples):
+            raise ValueError(f"admission: {len(self.keys)} keys but {len(self.samples)} sample counts")
+        if any(n < 1 for n in self.samples):
+            raise ValueError("admission: every sample count must be >= 1")
+
+
+def attempt_key(task_id: str, attempt: int) -> str:
+    """The admission ledger's key of one attempt of a task."""
+    return f"{task_id}/{attempt}"
+
+
 class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     """A service instance is alive (``conveyor status`` counts them). Every service publishes one
     every ``interval_s`` seconds. Key: ``instance``."""
@@ -397,7 +425,7 @@ M = TypeVar("M", bound=Message)
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
-    for cls in (Task, Rollout, ScoredRollout, WeightsAnnouncement, LearnerProgress, DeadLetter, ClaimRef)
+    for cls in (Task, Rollout, ScoredRollout, WeightsAnnouncement, LearnerProgress, Admission, DeadLetter, ClaimRef)
 }
 
 _encoder = msgspec.msgpack.Encoder()

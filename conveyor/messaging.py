@@ -231,6 +231,9 @@ class Subscriber(Generic[M]):
     def assignment(self) -> set[TopicPartition]:
         return self.consumer.assignment()
 
+    async def caught_up(self) -> bool:
+        return await self.consumer.caught_up()
+
     async def close(self) -> None:
         await self.consumer.close()
 

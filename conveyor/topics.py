@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from conveyor.contracts import (
+    Admission,
     DeadLetter,
     Heartbeat,
     LearnerProgress,
@@ -30,6 +31,7 @@ TOPIC_KINDS: dict[str, type[Message]] = {
     "scored": ScoredRollout,
     "weights": WeightsAnnouncement,
     "progress": LearnerProgress,
+    "admissions": Admission,
     "dead-letter": DeadLetter,
     "heartbeats": Heartbeat,
 }
@@ -82,6 +84,10 @@ class Topics:
         return self.name("progress")
 
     @property
+    def admissions(self) -> str:
+        return self.name("admissions")
+
+    @property
     def dead_letter(self) -> str:
         return self.name("dead-letter")
 
@@ -94,12 +100,12 @@ class Topics:
 
     def specs(self, partitions: int) -> list["TopicSpec"]:
         """What to create for a run: data topics with ``partitions`` partitions;
-        ``weights``, ``progress`` (keyed by run_id, one writer) and ``heartbeats`` (a few
-        messages a second) with one, ``weights`` compacted so a new worker reads the latest
+        ``weights``, ``progress`` (keyed by run_id, one writer), ``admissions`` (a ledger
+        every reader must see in one order) and ``heartbeats`` (a few messages a second) with one, ``weights`` compacted so a new worker reads the latest
         version first."""
         from conveyor.transport.base import TopicSpec
 
-        single = {"weights", "progress", "heartbeats"}
+        single = {"weights", "progress", "admissions", "heartbeats"}
         return [
             TopicSpec(self.name(kind), 1 if kind in single else partitions, compacted=kind == "weights")
             for kind in TOPIC_KINDS

@@ -13,6 +13,15 @@ step is one readable function (``_train_step``).
   every step is logged.
 - Groups with zero reward variance are filtered (dynamic sampling) and
   counted.
+- A batch that leaves nothing to train on (every sample stale, filtered or an
+  infrastructure failure) is not a step: the version stays, nothing is
+  published, and its samples count as consumed. Were it a new version, every
+  sample in flight would age by one more version for nothing, and staleness
+  would feed itself.
+- ``samples_consumed`` (the progress topic's count, against which the rollout
+  workers' admission tickets are compared) counts each rollout id once: a
+  redelivered duplicate is skipped without counting, as the admission ledger
+  counts each task attempt once.
 - Every ``publish_every`` steps (and at a clean stop) the policy is written
   to the object store as safetensors under a versioned key (the version is
   the step count) and announced on the weights topic; published versions
@@ -159,6 +168,7 @@ class GRPOLearner:
         self.step = 0
         self.samples_consumed = 0
         self.trained_ids: set[str] = set()
+        self.settled_ids: set[str] = set()  # consumed without training (stale, filtered, expired): checkpointed
         self.counters: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
         self.history: list[dict] = []
@@ -243,18 +253,23 @@ class GRPOLearner:
                         await self._publish_progress(progress_pub, self._progress())
                     continue
                 stats, state = await asyncio.to_thread(self._step_and_snapshot, batch)
-                self.version += 1
+                trained = stats["trained_samples"] > 0
                 self.samples_consumed += sum(len(g) for g in batch)
                 self._last_step = {"reward_mean": stats["reward_mean"], "max_staleness": stats["max_staleness"]}
                 # The previous step's publication had this whole step to finish; publications stay in order.
                 await self._published()
-                self._publishing = asyncio.create_task(
-                    self._publish_step(weights_pub, progress_pub, state, self.version, self.step, self._progress())
-                )
+                if trained:
+                    self.version += 1
+                    self._publishing = asyncio.create_task(
+                        self._publish_step(weights_pub, progress_pub, state, self.version, self.step, self._progress())
+                    )
+                else:  # nothing trained: no new version, but the samples are consumed
+                    self.counters["batches_untrained"] += 1
+                    await self._publish_progress(progress_pub, self._progress())
                 self._position.update(self._safe_offsets())
                 if not self.checkpoint_every:
                     await sub.commit_offsets(dict(self._position))
-                elif self.step % self.checkpoint_every == 0:
+                elif trained and self.step % self.checkpoint_every == 0:
                     await self._published()
                     await self.checkpoint(sub)
                 self._record(stats)
@@ -272,7 +287,7 @@ class GRPOLearner:
         """One step, then (on a publishing step) a copy of the new weights, taken before the
         next step can change them: serialising, storing and announcing it overlap that step."""
         stats = self._train_step(batch)
-        if self.step % self.publish_every:
+        if not stats["trained_samples"] or self.step % self.publish_every:
             return stats, None
         live = {t.data_ptr() for t in (*self._hf.parameters(), *self._hf.buffers())}
         # Tensors that are the live parameters are copied; gathered ones (several ranks) are already copies.
@@ -302,10 +317,10 @@ class GRPOLearner:
     # -------------------------------------------------------------- batching
     def _add(self, d: Delivery[ScoredRollout]) -> None:
         s = d.message
-        if s.rollout_id in self.trained_ids:
+        if s.rollout_id in self.trained_ids or s.rollout_id in self.settled_ids:
+            # Counted when first consumed; the admission ledger counts its attempt once too.
             self.counters["duplicates_skipped"] += 1
             self._consumed_records.append(d.record)
-            self.samples_consumed += 1  # taken off the topic: admission control must see it consumed
             return
         task_id = s.rollout.task_id
         self._groups.setdefault(task_id, {})[s.rollout_id] = d
@@ -320,6 +335,7 @@ class GRPOLearner:
                 self.counters["groups_incomplete"] += 1
                 log.warning("learner.group_incomplete", task_id=task_id, have=len(group), want=size)
                 self._consumed_records.extend(d.record for d in group.values())
+                self.settled_ids.update(group)
                 self.samples_consumed += len(group)
                 del self._groups[task_id], self._first_seen[task_id]
 
@@ -376,19 +392,25 @@ class GRPOLearner:
                 if lag > self.max_lag:
                     if not self.stale_decay:
                         self.counters["samples_stale_dropped"] += 1
+                        self.settled_ids.add(s.rollout_id)
                         continue
                     weight = self.stale_decay ** (lag - self.max_lag)
                     self.counters["samples_stale_downweighted"] += 1
                 if s.verdict == "infra":  # the reward service failed, not the model: no signal
                     self.counters["samples_infra_dropped"] += 1
+                    self.settled_ids.add(s.rollout_id)
                     continue
                 kept.append(s)
                 weights.append(weight)
             if len(kept) < 2:
+                self.counters["samples_group_too_small"] += len(kept)
+                self.settled_ids.update(s.rollout_id for s in kept)
                 continue
             adv = group_advantages([s.reward for s in kept], self.loss_cfg.std_normalise)
             if adv is None:
                 self.counters["groups_zero_variance"] += 1
+                self.counters["samples_zero_variance"] += len(kept)
+                self.settled_ids.update(s.rollout_id for s in kept)
                 continue
             for s, a, w in zip(kept, adv, weights):
                 a *= w  # a stale sample's say in the update shrinks with its age
@@ -413,7 +435,7 @@ class GRPOLearner:
                 self.ranks.command("step", work)
             stats.update(self._optimise(work))
             tokens = int(stats["tokens"])
-        self.step += 1
+            self.step += 1  # a batch with nothing to train on is not a step (no update, no new version)
         elapsed = time.monotonic() - t0
         stats.update(
             reward_mean=sum(rewards) / max(len(rewards), 1),
@@ -676,6 +698,7 @@ class GRPOLearner:
         self.samples_consumed = state["samples_consumed"]
         self.trained_log = list(state["trained_log"])
         self.trained_ids = set(self.trained_log)
+        self.settled_ids = set(state.get("settled_ids", ()))
         self.counters = Counter(state["counters"])
         self._position = {TopicPartition(t, p): o for (t, p), o in state["position"].items()}
         log.info("learner.resumed", step=self.step, version=self.version, trained=len(self.trained_log))
@@ -712,6 +735,7 @@ class GRPOLearner:
             "version": self.version,
             "samples_consumed": self.samples_consumed,
             "trained_log": list(self.trained_log),
+            "settled_ids": sorted(self.settled_ids),
             "counters": dict(self.counters),
             "position": {(tp.topic, tp.partition): o for tp, o in self._position.items()},
         }

@@ -1,11 +1,14 @@
 """Task producer with admission credits.
 
-Publishes tasks from an iterator only while the pipeline has room:
-``published_samples - consumed_samples <= (max_lag + 2) * learner_batch``,
-with ``consumed_samples`` from the learner's progress topic. The tasks topic
-therefore never fills with work that would be stale by the time it is
-generated; the rollout workers' own admission control does the fine-grained
-part.
+Publishes tasks from an iterator only while the samples offered on the run's
+admission ledger (``conveyor/admission.py``) and not yet claimed by any rollout
+worker stay within one learner batch: the tasks topic holds enough to refill
+the workers as the learner consumes, and no more, however many producers run
+and after any restart (the ledger, not this process, holds the count). After
+publishing, the producer appends an *offer* of what it published; a crash
+between the two only leaves tasks un-offered, which never holds a producer
+back. Staleness itself is bounded where generation starts, by the workers'
+tickets.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from collections.abc import Iterator
 
 import structlog
 
-from conveyor.contracts import LearnerProgress, ScoredRollout, Task
+from conveyor.admission import AdmissionLedger
+from conveyor.contracts import ScoredRollout, Task, attempt_key
 from conveyor.messaging import Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -43,8 +47,8 @@ class TaskProducer:
         self.tasks = tasks
         self.learner_batch_samples = learner_batch_samples
         self.max_lag = max_lag
-        self.published_samples = 0
-        self.consumed_samples = 0
+        self.published_samples = 0  # by this process
+        self.ledger: AdmissionLedger | None = None
         # With an object store, the stream's position survives a restart (a deterministic stream
         # would otherwise be republished from the start: duplicates, absorbed downstream, but wasted).
         self.store = store if curriculum is None else None  # a curriculum's order is not a replayable position
@@ -93,12 +97,15 @@ class TaskProducer:
                 del self._group_rewards[key]
 
     def credits(self) -> int:
-        return (self.max_lag + 2) * self.learner_batch_samples - (self.published_samples - self.consumed_samples)
+        """Samples that may still be offered: one learner batch, less what is offered and unclaimed."""
+        assert self.ledger is not None
+        return self.learner_batch_samples - self.ledger.unclaimed_offered
 
     async def run(self, stop: asyncio.Event) -> None:
         async with ServiceClients(self.transport, self.topics.dead_letter, "producer", heartbeats=self.topics) as io:
             pub: Publisher[Task] = io.publisher(self.topics.tasks)
-            progress = await io.subscribe([self.topics.progress], f"producer-progress-{uuid.uuid4().hex[:8]}", LearnerProgress)
+            self.ledger = await AdmissionLedger.open(io, self.topics, f"producer-{uuid.uuid4().hex[:8]}")
+            await self.ledger.catch_up()
             scored = None
             if self.curriculum is not None:
                 scored = await io.subscribe([self.topics.scored], "producer-curriculum", ScoredRollout)
@@ -109,18 +116,22 @@ class TaskProducer:
                 if self.store is not None and time.monotonic() - self._saved_at > 1.0:
                     await asyncio.to_thread(self._save_position)
                     self._saved_at = time.monotonic()
-                for d in await progress.poll(timeout_s=0.1, max_records=1000):
-                    self.consumed_samples = max(self.consumed_samples, d.message.samples_consumed)
+                await self.ledger.follow(wait_s=0.1)
                 if scored is not None:
                     got = await scored.poll(timeout_s=0, max_records=4096)
                     self._feed_curriculum([d.message for d in got])
                     await scored.commit(got)
-                while self.credits() > 0 and not stop.is_set():
-                    task = next(self.tasks, None)
-                    if task is None:
-                        await asyncio.to_thread(self._save_position)
-                        return
-                    await pub.publish_and_wait(task, key=task.task_id)
-                    self.published_samples += task.group_size
-                    self.position += 1
+                offered: list[tuple[str, int]] = []
+                try:
+                    while self.credits() - sum(n for _, n in offered) > 0 and not stop.is_set():
+                        task = next(self.tasks, None)
+                        if task is None:
+                            await asyncio.to_thread(self._save_position)
+                            return
+                        await pub.publish_and_wait(task, key=task.task_id)
+                        offered.append((attempt_key(task.task_id, task.attempt), task.group_size))
+                        self.published_samples += task.group_size
+                        self.position += 1
+                finally:
+                    await self.ledger.offer(offered)
             await asyncio.to_thread(self._save_position)  # a clean stop resumes exactly here

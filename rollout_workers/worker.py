@@ -7,11 +7,17 @@
   Finished groups are published in admission order (one that finished early
   waits for older ones), so the learner consumes samples in the order
   admission control counted them.
-- Admission control: a task starts only while
-  ``published + in flight + group_size - consumed <= (max_lag + 1) * learner_batch``
-  samples, with ``consumed`` read from the learner's progress topic. The
-  worker never runs more than ``max_lag`` versions ahead of what the learner
-  can use.
+- Admission control is global (``conveyor/admission.py``): every task the
+  worker polls is claimed on the run's admission ledger, which gives each
+  attempt a ticket in one order shared by every worker; an attempt starts only
+  when ``ticket - consumed <= (max_lag + 1) * learner_batch``, with
+  ``consumed`` read from the learner's progress topic. However many workers
+  run, and after any restart, the pipeline never runs more than ``max_lag``
+  versions ahead of what the learner can use.
+- Start-up: before it takes a task, the worker reads the weights topic, the
+  progress topic and the ledger to their ends, and serves the newest published
+  version (a restarted worker never generates with the initial policy, nor
+  tries versions the learner has pruned since).
 - Weight swaps: announcements on the weights topic are followed between
   polls: the safetensors object is fetched from the object store, its sha256
   checked, and handed to the engine, which swaps without waiting for the
@@ -34,6 +40,7 @@ import uuid
 
 import structlog
 
+from conveyor.admission import AdmissionLedger, admissible
 from conveyor.contracts import (
     LearnerProgress,
     Rollout,
@@ -41,6 +48,7 @@ from conveyor.contracts import (
     Timings,
     VersionSegment,
     WeightsAnnouncement,
+    attempt_key,
     rollout_id,
 )
 from conveyor.errors import ChecksumMismatch
@@ -97,42 +105,44 @@ class RolloutWorker:
         self.swap_seconds: list[float] = []
         self.metrics = metrics or process_rollout_metrics()  # Prometheus, when the process serves metrics
 
-    def admitted(self, samples: int) -> bool:
-        return self.generated + self.inflight_samples + samples - self.consumed <= (
-            (self.max_lag + 1) * self.learner_batch_samples
-        )
+    @property
+    def bound(self) -> int:
+        """Samples the whole pipeline may hold between the start of generation and the learner."""
+        return (self.max_lag + 1) * self.learner_batch_samples
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
         async with ServiceClients(self.transport, self.topics.dead_letter, "rollout-worker", heartbeats=self.topics) as io:
             publisher: Publisher[Rollout] = io.publisher(self.topics.rollouts)
-            tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
-            # Every worker sees every announcement and progress report: a group of its own.
+            # Every worker sees every announcement, progress report and claim: groups of its own.
             weights = await io.subscribe([self.topics.weights], f"rw-weights-{self.worker_id}", WeightsAnnouncement)
             progress = await io.subscribe([self.topics.progress], f"rw-progress-{self.worker_id}", LearnerProgress)
+            self.ledger = await AdmissionLedger.open(io, self.topics, f"rw-{self.worker_id}")
+            await self._catch_up(weights, progress)
+            tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
             waiting: list[list] = []  # [delivery, rollouts | None] polled, not yet started
-            order: list[list] = []  # the same entries in poll (= admission) order
+            order: list[list] = []  # the same entries in poll order (the order they are published in)
             running: dict[asyncio.Task, list] = {}
             try:
                 while not stop.is_set():
                     await self._follow(weights, progress)
+                    await self.ledger.follow()
                     room = self.max_inflight_tasks - len(running) - len(waiting)
                     if room > 0:
                         polled = [[d, None] for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)]
+                        if polled:
+                            await self.ledger.claim([(_key(d.message), d.message.group_size) for d, _ in polled])
                         waiting += polled
                         order += polled
-                    while waiting and len(running) < self.max_inflight_tasks and self.admitted(waiting[0][0].message.group_size):
-                        entry = waiting.pop(0)
-                        self.inflight_samples += entry[0].message.group_size
-                        running[asyncio.create_task(self._sample(entry[0].message))] = entry
+                    self._start_admitted(waiting, running)
                     if running:
                         done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                         self._collect(done, running)
                         await self._publish_ready(order, publisher, tasks)
-                    elif waiting:  # not admitted yet: wake on the learner's next progress report, not on a timer
+                    elif waiting:  # not admitted yet: wake on the learner's next report or a claim read back
                         await self._follow(weights, progress, wait_s=0.05)
-                # Drain: what is in flight is finished, published and committed; tasks
-                # polled but never started stay uncommitted (another worker gets them).
+                # Drain: what is in flight is finished, published and committed; tasks polled but
+                # never started stay uncommitted (another worker gets them, under their tickets).
                 while running:
                     done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     self._collect(done, running)
@@ -141,6 +151,39 @@ class RolloutWorker:
                 for t in running:  # on failure: nothing half-done keeps running
                     t.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
+
+    def _start_admitted(self, waiting: list[list], running: dict) -> None:
+        """Start waiting tasks in ticket order while their tickets are within the bound. A task whose
+        claim has not come back yet waits: its ticket will be later than every ticket known now."""
+        waiting.sort(key=lambda e: self.ledger.ticket(_key(e[0].message)) or float("inf"))
+        while waiting and len(running) < self.max_inflight_tasks:
+            ticket = self.ledger.ticket(_key(waiting[0][0].message))
+            if ticket is None or not admissible(ticket, self.consumed, self.bound):
+                return
+            entry = waiting.pop(0)
+            self.inflight_samples += entry[0].message.group_size
+            running[asyncio.create_task(self._sample(entry[0].message))] = entry
+
+    async def _catch_up(self, weights: Subscriber, progress: Subscriber, deadline_s: float = 60.0) -> None:
+        """Read the weights and progress topics and the admission ledger to their ends and take the
+        newest version, before any task is taken."""
+        until = time.monotonic() + deadline_s
+        newest: list[WeightsAnnouncement] = []
+        for sub in (weights, progress):
+            while time.monotonic() < until:
+                got = await sub.poll(timeout_s=0.2, max_records=10_000)
+                if sub is weights:
+                    newest = sorted([*newest, *(d.message for d in got)], key=lambda a: a.version)[-3:]
+                else:
+                    self.consumed = max([self.consumed, *(d.message.samples_consumed for d in got)])
+                if await sub.caught_up():
+                    break
+        await self.ledger.catch_up(max(1.0, until - time.monotonic()))
+        for ann in reversed(newest):  # the newest; an older one only if it was refused (three at most)
+            if ann.version <= self.engine.version or await self._swap(ann):
+                break
+        log.info("rollout_worker.caught_up", version=self.engine.version, consumed=self.consumed,
+                 claimed=self.ledger.claimed_samples)  # fmt: skip
 
     def _collect(self, done, running: dict) -> None:
         for t in done:
@@ -161,7 +204,7 @@ class RolloutWorker:
         del order[:ready]
         futures = [await publisher.publish(r, r.task_id) for e in entries for r in e[1]]
         await asyncio.gather(*futures)
-        self.generated += len(futures)  # counted in flight until published: admission never over-counts room
+        self.generated += len(futures)
         self.inflight_samples -= sum(e[0].message.group_size for e in entries)
         assigned = tasks.assignment()
         mine = [e[0] for e in entries if TopicPartition(e[0].record.topic, e[0].record.partition) in assigned]
@@ -254,3 +297,7 @@ class RolloutWorker:
             timings=Timings(generation_started_at=started, generation_finished_at=finished),
             task=task,
         )
+
+
+def _key(task: Task) -> str:
+    return attempt_key(task.task_id, task.attempt)

@@ -107,6 +107,12 @@ class Consumer(Protocol):
 
     def assignment(self) -> set[TopicPartition]: ...
 
+    async def caught_up(self) -> bool:
+        """Whether this consumer has partitions assigned and has read each of them to the end
+        the broker last reported (a reader of a log that must be read whole before acting on it:
+        the admission ledger, the newest weights announcement)."""
+        ...
+
     async def close(self) -> None:
         """Leave the group without committing; uncommitted records are redelivered."""
         ...

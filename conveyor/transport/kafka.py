@@ -288,6 +288,19 @@ class KafkaConsumer:
     def assignment(self) -> set[TopicPartition]:
         return {TopicPartition(tp.topic, tp.partition) for tp in self._consumer.assignment()}
 
+    async def caught_up(self) -> bool:
+        tps = list(self._consumer.assignment())
+        if not tps:
+            return False
+        # tansu answers ListOffsets(latest) with the last batch's base offset + 1 (short of the end
+        # when producers batch); the high watermark of the last fetch is right on every broker.
+        ends = await self._consumer.end_offsets(tps)
+        for tp in tps:
+            end = max(ends.get(tp) or 0, self._consumer.highwater(tp) or 0)
+            if await self._consumer.position(tp) < end:
+                return False
+        return True
+
     async def close(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()

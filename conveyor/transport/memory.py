@@ -216,6 +216,11 @@ class MemoryConsumer:
     def assignment(self) -> set[TopicPartition]:
         return set(self._assigned)
 
+    async def caught_up(self) -> bool:
+        return bool(self._assigned) and all(
+            self._positions[tp] >= len(self._broker.topics[tp.topic][tp.partition]) for tp in self._assigned
+        )
+
     async def close(self) -> None:
         if not self._started:
             return

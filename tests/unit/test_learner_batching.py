@@ -11,7 +11,6 @@ from conveyor.topics import Topics
 from conveyor.transport.base import Record, TopicPartition
 from conveyor.transport.memory import MemoryTransport
 from learner.recipe import GRPOLearner
-from rollout_workers.worker import RolloutWorker
 from storage.objectstore import LocalObjectStore
 
 
@@ -84,15 +83,6 @@ def test_stale_samples_are_dropped_and_zero_variance_groups_filtered(tmp_path):
     assert lrn.counters["groups_zero_variance"] == 1
     assert stats["trained_samples"] == 0
     assert stats["staleness"] == {"0": 2, "2": 2} and stats["max_staleness"] == 2
-
-
-def test_rollout_worker_admission_bound(tmp_path):
-    worker = RolloutWorker(MemoryTransport(), Topics("r"), engine=None, store=None, learner_batch_samples=128, max_lag=1)
-    assert worker.admitted(128)
-    worker.generated = 256
-    assert not worker.admitted(128)  # would be 384 - 0 > 256
-    worker.consumed = 128
-    assert worker.admitted(128)
 
 
 def test_stale_samples_can_be_down_weighted_instead_of_dropped(tmp_path):
