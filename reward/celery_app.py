@@ -103,6 +103,9 @@ def make_app(cfg: RunConfig) -> Celery:
     app = Celery("conveyor-reward", broker=broker.url, backend=backend, set_as_current=False)
     app.conf.update(
         task_acks_late=True,
+        # STARTED is stored when a worker begins a task: the bridge's scorer tells a task whose
+        # worker died (started, no result past the hard limit) from one still queued.
+        task_track_started=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         task_soft_time_limit=reward.soft_time_limit_s,

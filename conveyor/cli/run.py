@@ -62,6 +62,10 @@ def run(
     codes = sup.stop()
     restarts = {n: r.restarts for n, r in sup.roles.items() if r.restarts}
     typer.echo(json.dumps({"exit_codes": codes, "restarts": restarts}))
+    failed = {name: code for name, code in codes.items() if code != 0}
+    if failed:  # a role that did not drain (killed after its grace, or exited with an error while stopping)
+        typer.secho(f"the stop did not drain cleanly: {failed} (see {run_dir / 'logs'})", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
 
 
 def _default_model(model_dir: Path, warmup_steps: int) -> Path:

@@ -113,6 +113,8 @@ def reward_bridge(
     config: Path = CONFIG,
     tokenizer: Path = typer.Option(..., "--tokenizer", exists=True, help="Model directory (or tokenizer.json) to decode completions."),
     max_batch: int = typer.Option(256, min=1, help="Rollouts per poll."),
+    max_inflight: int = typer.Option(512, min=1, help="Rollouts being scored at once (published as each completes)."),
+    drain_timeout: float = typer.Option(60.0, min=1, help="Seconds a stop may take to score what was generated; then exit 1."),
 ) -> None:
     """Rollouts topic -> Celery reward tasks -> scored topic (offsets committed after publishing)."""
     from reward.bridge import RewardBridge
@@ -121,7 +123,8 @@ def reward_bridge(
     decode = _decoder(tokenizer)
     scorer = _scorer(cfg)
     try:
-        _run_service(cfg, lambda transport, topics, _: RewardBridge(transport, topics, scorer, decode, max_batch=max_batch),
+        _run_service(cfg, lambda transport, topics, _: RewardBridge(transport, topics, scorer, decode, max_batch=max_batch,
+                                                                         max_inflight=max_inflight, drain_timeout_s=drain_timeout),
                      with_store=False)  # fmt: skip
     finally:
         scorer.close()
