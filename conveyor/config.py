@@ -188,12 +188,17 @@ class RewardConfig(_Section):
     queue: str = "conveyor.reward"
     soft_time_limit_s: float = Field(60.0, gt=0)
     hard_time_limit_s: float = Field(90.0, gt=0)
-    max_tasks_per_child: int = Field(500, ge=1)
+    max_tasks_per_child: int = Field(10_000, ge=1)
+    """Tasks a Celery pool process runs before it is replaced (bounds whatever leaks). Celery's pool
+    maintenance starts the replacement up to 5 s later, and a worker of concurrency 1 scores nothing
+    meanwhile: at 500 it lost about a third of its time in a distributed run."""
     max_retries: int = Field(5, ge=0)
     """Retries of infrastructure failures (the sandbox could not run); the model's own failures are results."""
     worker_concurrency: int = Field(2, ge=1, le=256)
     result_timeout_s: float = Field(600.0, gt=0)
-    """How long the bridge waits for a task's result before it redelivers the rollout."""
+    """How long the bridge waits for a task's result before it scores the rollout ``infra`` (dropped by
+    the learner). A task that a worker started and left without a result past ``hard_time_limit_s``
+    (the worker died) is submitted again well before this."""
 
     @model_validator(mode="after")
     def _ordered(self) -> RewardConfig:
@@ -234,6 +239,9 @@ class LearnerConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     group_timeout_s: float = Field(60.0, gt=0)
     """A group still incomplete after this long is dropped (and counted)."""
+    straggler_wait_s: float = Field(10.0, ge=0)
+    """A step waits up to this long for an incomplete group that the step would push past max_lag
+    (one slow reward task would otherwise make its whole group stale); 0: never wait."""
     keep_versions: int = Field(3, ge=1)
     """Published weight versions kept in the object store (older ones are deleted)."""
     publish_every: int = Field(1, ge=1)

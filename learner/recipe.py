@@ -7,6 +7,11 @@ step is one readable function (``_train_step``).
   task), the oldest policy version first. A group still incomplete after
   ``group_timeout_s`` (a lost sample) is dropped and counted in
   ``groups_incomplete``; it is never trained on half.
+- A step waits (up to ``straggler_wait_s``) for an incomplete group whose
+  samples would pass ``max_lag`` once the step is taken: one late sample (a
+  slow reward task) would otherwise age its whole group out of the window
+  while the learner trains on newer groups. A group that is still incomplete
+  after the wait no longer holds the learner back.
 - Samples older than ``max_lag`` policy versions are dropped and counted,
   or (``stale_decay`` > 0) kept with their advantage scaled by
   ``stale_decay ** (lag - max_lag)`` and counted; the staleness histogram of
@@ -103,6 +108,7 @@ class GRPOLearner:
         lr: float = 3e-4,
         loss: LossConfig = LossConfig(),
         group_timeout_s: float = 60.0,
+        straggler_wait_s: float = 10.0,
         keep_versions: int = 3,
         publish_every: int = 1,
         group_id: str = "learner",
@@ -144,6 +150,7 @@ class GRPOLearner:
         self.stale_decay = stale_decay  # > 0: older samples are kept with weight stale_decay ** (lag - max_lag)
         self.loss_cfg = loss
         self.group_timeout_s = group_timeout_s
+        self.straggler_wait_s = straggler_wait_s  # 0: never wait for an incomplete group
         self.keep_versions = keep_versions
         if publish_every < 1:
             raise ValueError("publish_every must be >= 1")
@@ -174,6 +181,7 @@ class GRPOLearner:
         self.history: list[dict] = []
         self._groups: dict[str, dict[str, Delivery[ScoredRollout]]] = {}
         self._first_seen: dict[str, float] = {}
+        self._waited: set[str] = set()  # incomplete groups a step has waited for (counted once each)
         self._consumed_records: list = []  # records trained on or dropped since the last commit
         self._reported, self._reported_at = 0, 0.0  # samples_consumed last published on the progress topic
         self._last_step: dict = {}  # reward and staleness of the last step, for the progress topic
@@ -338,12 +346,13 @@ class GRPOLearner:
                 self.settled_ids.update(group)
                 self.samples_consumed += len(group)
                 del self._groups[task_id], self._first_seen[task_id]
+                self._waited.discard(task_id)
 
     def _ready_batch(self) -> list[list[ScoredRollout]] | None:
         complete = [
             t for t, g in self._groups.items() if len(g) >= next(iter(g.values())).message.rollout.group_size
         ]
-        if len(complete) < self.batch_groups:
+        if len(complete) < self.batch_groups or self._waiting_for_straggler(complete):
             return None
         # Oldest policy first, then arrival: records of several partitions arrive interleaved
         # by partition, not in the order they were generated, and a newer group trained
@@ -354,9 +363,26 @@ class GRPOLearner:
         for task_id in complete[: self.batch_groups]:
             group = self._groups.pop(task_id)
             del self._first_seen[task_id]
+            self._waited.discard(task_id)
             self._consumed_records.extend(d.record for d in group.values())
             batch.append([d.message for d in group.values()])
         return batch
+
+    def _waiting_for_straggler(self, complete: list[str]) -> bool:
+        """Whether an incomplete group, seen less than ``straggler_wait_s`` ago, has samples that the
+        next step would make older than ``max_lag`` (generated at ``version - max_lag`` or before)."""
+        if not self.straggler_wait_s:
+            return False
+        now, done = time.monotonic(), set(complete)
+        for task_id, group in self._groups.items():
+            if task_id in done or now - self._first_seen[task_id] > self.straggler_wait_s:
+                continue
+            if min(d.message.rollout.min_policy_version for d in group.values()) <= self.version - self.max_lag:
+                if task_id not in self._waited:
+                    self._waited.add(task_id)
+                    self.counters["straggler_groups_waited"] += 1
+                return True
+        return False
 
     def _safe_offsets(self) -> dict[TopicPartition, int]:
         """Commit up to the oldest record still pending in a group, per partition."""

@@ -99,6 +99,10 @@ class RolloutWorker:
         """Rollouts published (acknowledged by the broker)."""
         self.inflight_samples = 0
         self.consumed = 0
+        """Samples the learner had consumed when it published the version this worker serves:
+        what admission counts against. A worker that has not swapped to the newest version yet
+        must not admit as if it had (its samples start one version older)."""
+        self._consumed_at: dict[int, int] = {}  # policy version -> samples consumed reported with it
         self.tokens = 0
         self.swaps = 0
         self.swaps_refused = 0
@@ -175,13 +179,14 @@ class RolloutWorker:
                 if sub is weights:
                     newest = sorted([*newest, *(d.message for d in got)], key=lambda a: a.version)[-3:]
                 else:
-                    self.consumed = max([self.consumed, *(d.message.samples_consumed for d in got)])
+                    self._take_progress([d.message for d in got])
                 if await sub.caught_up():
                     break
         await self.ledger.catch_up(max(1.0, until - time.monotonic()))
         for ann in reversed(newest):  # the newest; an older one only if it was refused (three at most)
             if ann.version <= self.engine.version or await self._swap(ann):
                 break
+        self._take_progress([])
         log.info("rollout_worker.caught_up", version=self.engine.version, consumed=self.consumed,
                  claimed=self.ledger.claimed_samples)  # fmt: skip
 
@@ -219,12 +224,26 @@ class RolloutWorker:
         announced version. A step's weights are announced before its progress report, so a worker
         admitted by a report already sees that version."""
         for d in await progress.poll(timeout_s=wait_s, max_records=1000):
-            self.consumed = max(self.consumed, d.message.samples_consumed)
+            self._take_progress([d.message])
         announced = [d.message for d in await weights.poll(timeout_s=0, max_records=1000)]
         # Newest first; a refused version falls back to the next newer-than-current one.
         for ann in sorted(announced, key=lambda a: a.version, reverse=True):
             if ann.version <= self.engine.version or await self._swap(ann):
                 break
+        self._take_progress([])  # the served version may be newer now
+
+    def _take_progress(self, reports: list[LearnerProgress]) -> None:
+        """Take in progress reports and set ``consumed`` to what was consumed by the served version."""
+        for r in reports:
+            v = r.policy_version
+            self._consumed_at[v] = max(self._consumed_at.get(v, 0), r.samples_consumed)
+        served = self.engine.version
+        older = [v for v in self._consumed_at if v <= served]
+        if older:
+            self.consumed = max(self.consumed, max(self._consumed_at[v] for v in older))
+            for v in older:
+                if v < served:
+                    del self._consumed_at[v]
 
     async def _swap(self, ann: WeightsAnnouncement) -> bool:
         started = time.monotonic()

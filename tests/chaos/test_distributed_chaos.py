@@ -4,8 +4,11 @@ least twice, the supervisor restarting each), S3 stopped for 30 s mid-run
 while the kills go on,
 and malformed records injected on every topic (and one oversized record). At the end: every task was
 rolled out, every rollout scored, every scored rollout is in the lake once,
-no rollout was trained on twice, and the malformed records are on the
-dead-letter topic."""
+no rollout was trained on twice, the malformed records are on the
+dead-letter topic, and the learner still trained what was generated: at least
+80% of the scored samples were trained on or filtered for zero variance (not
+dropped as stale), no sample it saw was more than ``max_lag + 1`` versions old,
+and no batch that trained nothing published a version."""
 
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from collections import Counter
 
 import pytest
 
+from bench.distributed import untrained_versions
+
 from conveyor.contracts import DeadLetter, Rollout, ScoredRollout, Task, decode
 from conveyor.topics import Topics
 
 ROLES = ["producer", "rollout-worker-0", "reward-bridge", "reward-worker-0", "learner", "storage-sink"]
-TASKS, GROUP = 120, 4
+TASKS, GROUP, MAX_LAG = 120, 4, 3
 
 
 def read_topics(kafka_cfg, wanted: dict[str, tuple[str, type]]) -> dict[str, list]:
@@ -107,7 +112,7 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
         "celery": {"type": "redis", "url": redis_url, "visibility_timeout_s": 20},
         "reward": {"timeout_s": 2, "soft_time_limit_s": 8, "hard_time_limit_s": 10, "queue": f"{run_id}-reward"},
         "producer": {"suite": "pyexpr", "group_size": GROUP, "max_tasks": TASKS, "http_port": None},
-        "learner": {"batch_groups": 4, "max_lag": 3, "checkpoint_every": 2, "group_timeout_s": 60},
+        "learner": {"batch_groups": 4, "max_lag": MAX_LAG, "checkpoint_every": 2, "group_timeout_s": 60},
         "logging": {"level": "info", "format": "json"},
     }
     parse_run_config(data)  # fail here, not in six processes, if the config is wrong
@@ -187,9 +192,14 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     letters = read["dead"]
     dead_lettered = {d.source_topic for d in letters if d.key == b"chaos"}
     oversized = [d for d in letters if d.key == b"chaos-oversized"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    zero_variance = rows[-1].get("samples_zero_variance", 0) if rows else 0  # counters are checkpointed: the final lineage's
+    trained_fraction = (len(ledger) + zero_variance) / max(len(scored), 1)
+    max_staleness = max((r.get("max_staleness", 0) for r in rows), default=0)
     phases["checks"] = time.monotonic() - stopped_at
     print(json.dumps({"kills": dict(kills), "restarts": restarts, "exit_codes": codes, "tasks": len(tasks), "rollouts": len(rollout_ids),
                       "scored": len(scored), "lake": len(lake), "trained": len(ledger), "kills_during_outage": kills_in_outage,
+                      "trained_fraction": round(trained_fraction, 3), "max_staleness": max_staleness,
                       "phases_s": {k: round(v, 1) for k, v in phases.items()}}))  # fmt: skip
     print(f"FIGURE chaos_kills {sum(kills.values())} count")
     print(f"FIGURE chaos_lost {lost} count")
@@ -203,3 +213,6 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     assert set(ledger) <= scored
     assert dead_lettered >= set(injected or []), dead_lettered
     assert oversized and all(d.raw_truncated and d.raw_size > 3 << 20 for d in oversized)
+    assert trained_fraction >= 0.8, trained_fraction
+    assert max_staleness <= MAX_LAG + 1, max_staleness
+    assert untrained_versions(rows) == 0  # a batch that trained nothing published no version
