@@ -62,6 +62,8 @@ class AdmissionLedger:
         self._pub = pub
         self.tickets: dict[str, int] = {}
         """Attempt key -> samples claimed up to and including it (its place in the global order)."""
+        self.order: list[str] = []
+        """Claimed attempt keys in ticket order."""
         self.claimed_samples = 0
         self._offered: dict[str, int] = {}  # offered, not claimed yet: key -> samples
         self.unclaimed_offered = 0
@@ -87,6 +89,7 @@ class AdmissionLedger:
                     continue  # claimed before: it keeps its first ticket
                 self.claimed_samples += n
                 self.tickets[key] = self.claimed_samples
+                self.order.append(key)
                 self.unclaimed_offered -= self._offered.pop(key, 0)
         else:
             for key, n in zip(entry.keys, entry.samples):

@@ -10,8 +10,10 @@ step is one readable function (``_train_step``).
 - A step waits (up to ``straggler_wait_s``) for an incomplete group whose
   samples would pass ``max_lag`` once the step is taken: one late sample (a
   slow reward task) would otherwise age its whole group out of the window
-  while the learner trains on newer groups. A group that is still incomplete
-  after the wait no longer holds the learner back.
+  while the learner trains on newer groups. Given the workers' admission bound
+  (``admission_bound``), it also waits for the oldest attempt the workers
+  started that has not arrived at all (``learner/admitted_window.py``). What is
+  still missing after the wait no longer holds the learner back.
 - Samples older than ``max_lag`` policy versions are dropped and counted,
   or (``stale_decay`` > 0) kept with their advantage scaled by
   ``stale_decay ** (lag - max_lag)`` and counted; the staleness histogram of
@@ -67,12 +69,14 @@ import asyncio
 import json
 import re
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
 import structlog
 
-from conveyor.contracts import LearnerProgress, ScoredRollout, WeightsAnnouncement
+from conveyor.admission import AdmissionLedger
+from conveyor.contracts import LearnerProgress, ScoredRollout, WeightsAnnouncement, attempt_key
 from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import TopicPartition, Transport
@@ -109,6 +113,7 @@ class GRPOLearner:
         loss: LossConfig = LossConfig(),
         group_timeout_s: float = 60.0,
         straggler_wait_s: float = 10.0,
+        admission_bound: int | None = None,
         keep_versions: int = 3,
         publish_every: int = 1,
         group_id: str = "learner",
@@ -151,6 +156,10 @@ class GRPOLearner:
         self.loss_cfg = loss
         self.group_timeout_s = group_timeout_s
         self.straggler_wait_s = straggler_wait_s  # 0: never wait for an incomplete group
+        # The rollout workers' admission bound ((max_lag + 1) * batch samples): with it, a step also
+        # waits for the oldest attempt they started that has not arrived (learner/admitted_window.py).
+        self.admission_bound = admission_bound
+        self._window = None
         self.keep_versions = keep_versions
         if publish_every < 1:
             raise ValueError("publish_every must be >= 1")
@@ -208,6 +217,14 @@ class GRPOLearner:
             progress_pub: Publisher[LearnerProgress] = io.publisher(self.topics.progress)
             if self.checkpoint_every:
                 await asyncio.to_thread(self.resume)
+            if self.admission_bound and self.source is None:
+                from learner.admitted_window import AdmittedWindow
+
+                ledger = await AdmissionLedger.open(io, self.topics, f"learner-{uuid.uuid4().hex[:8]}")
+                await ledger.catch_up()
+                self._window = AdmittedWindow(ledger, bound=self.admission_bound, max_lag=self.max_lag,
+                                              wait_s=self.straggler_wait_s)  # fmt: skip
+                self._window.start(self.samples_consumed)
             # A replay source (storage/replay.py) stands in for the scored topic when given.
             sub = self.source or await io.subscribe(
                 [self.topics.scored], self.group_id, ScoredRollout, on_assigned=self._seek_to_checkpoint
@@ -251,6 +268,8 @@ class GRPOLearner:
             while not stop.is_set():
                 for d in await sub.poll(timeout_s=0.2, max_records=1024):
                     self._add(d)
+                if self._window is not None:
+                    await self._window.ledger.follow()
                 self._expire()
                 batch = self._ready_batch()
                 if batch is None:
@@ -320,6 +339,8 @@ class GRPOLearner:
 
     async def _publish_progress(self, pub: Publisher, progress: dict) -> None:
         await pub.publish_and_wait(LearnerProgress(run_id=self.topics.run_id, **progress), key=self.topics.run_id)
+        if self._window is not None:
+            self._window.reported(progress["policy_version"], progress["samples_consumed"])
         self._reported, self._reported_at = progress["samples_consumed"], time.monotonic()
 
     # -------------------------------------------------------------- batching
@@ -331,7 +352,12 @@ class GRPOLearner:
             self._consumed_records.append(d.record)
             return
         task_id = s.rollout.task_id
-        self._groups.setdefault(task_id, {})[s.rollout_id] = d
+        group = self._groups.setdefault(task_id, {})
+        if s.rollout_id in group:  # a second copy while its group is still forming
+            self.counters["duplicates_skipped"] += 1
+            self._consumed_records.append(d.record)
+            return
+        group[s.rollout_id] = d
         self._first_seen.setdefault(task_id, time.monotonic())
 
     def _expire(self) -> None:
@@ -344,6 +370,7 @@ class GRPOLearner:
                 log.warning("learner.group_incomplete", task_id=task_id, have=len(group), want=size)
                 self._consumed_records.extend(d.record for d in group.values())
                 self.settled_ids.update(group)
+                self._consumed_attempt(group)
                 self.samples_consumed += len(group)
                 del self._groups[task_id], self._first_seen[task_id]
                 self._waited.discard(task_id)
@@ -352,7 +379,7 @@ class GRPOLearner:
         complete = [
             t for t, g in self._groups.items() if len(g) >= next(iter(g.values())).message.rollout.group_size
         ]
-        if len(complete) < self.batch_groups or self._waiting_for_straggler(complete):
+        if len(complete) < self.batch_groups or self._waiting_for_straggler(complete) or self._window_holds():
             return None
         # Oldest policy first, then arrival: records of several partitions arrive interleaved
         # by partition, not in the order they were generated, and a newer group trained
@@ -364,9 +391,24 @@ class GRPOLearner:
             group = self._groups.pop(task_id)
             del self._first_seen[task_id]
             self._waited.discard(task_id)
+            self._consumed_attempt(group)
             self._consumed_records.extend(d.record for d in group.values())
             batch.append([d.message for d in group.values()])
         return batch
+
+    def _consumed_attempt(self, group: dict) -> None:
+        if self._window is not None and group:
+            r = next(iter(group.values())).message.rollout
+            self._window.consumed(attempt_key(r.task_id, r.attempt))
+
+    def _window_holds(self) -> bool:
+        if self._window is None:
+            return False
+        present = {attempt_key(task_id, next(iter(g.values())).message.rollout.attempt) for task_id, g in self._groups.items()}
+        if self._window.hold(self.version, self.samples_consumed, present):
+            self.counters["admitted_attempts_waited"] = self._window.waits
+            return True
+        return False
 
     def _waiting_for_straggler(self, complete: list[str]) -> bool:
         """Whether an incomplete group, seen less than ``straggler_wait_s`` ago, has samples that the

@@ -243,7 +243,8 @@ def learner(
             return GRPOLearner(
                 transport, topics, policy, tok.pad_token_id, store, run_dir=out,
                 batch_groups=lc.batch_groups, max_lag=lc.max_lag, stale_decay=lc.stale_decay, lr=lc.lr, loss=loss,
-                group_timeout_s=lc.group_timeout_s, straggler_wait_s=lc.straggler_wait_s, keep_versions=lc.keep_versions, publish_every=lc.publish_every, checkpoint_every=lc.checkpoint_every,
+                group_timeout_s=lc.group_timeout_s, straggler_wait_s=lc.straggler_wait_s,
+                admission_bound=(lc.max_lag + 1) * lc.batch_groups * cfg.producer.group_size, keep_versions=lc.keep_versions, publish_every=lc.publish_every, checkpoint_every=lc.checkpoint_every,
                 keep_checkpoints=lc.keep_checkpoints, warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens,
                 micro_batch=lc.micro_batch, ranks=ranks, step_process=lc.step_process, updates_per_batch=lc.updates_per_batch,
             )  # fmt: skip

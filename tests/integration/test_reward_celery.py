@@ -60,18 +60,25 @@ def test_scores_every_verifier_kind(celery_run):
     assert got == [(1.0, "pass"), (1.0, "pass"), (0.0, "fail"), (0.0, "timeout"), (0.0, "error")]
 
 
-def test_result_messages_are_not_kept_after_collection(celery_run):
-    """Celery's Redis result consumer buffers READY messages that arrive after their result was
-    resolved and never drops them (the reward bridge grew 21 MiB over a 30-minute load run);
-    the scorer drops those of results it collected."""
+def test_results_are_read_without_subscribing_and_forgotten_after_collection(celery_run):
+    """The scorer reads results by MGET from one collector thread: nothing subscribes to Redis's
+    result channels (Celery buffers messages of results resolved already and never drops them:
+    the reward bridge grew 21 MiB over a 30-minute load run), and each result's key is deleted
+    once it was collected."""
     from reward.scorers import CeleryScorer
 
-    app, cfg = celery_run
+    app, _ = celery_run
     scorer = CeleryScorer(app, result_timeout_s=60)
+    ids = []
     for b in range(4):
         items = [(T(f"m{b}-{i}", "math", answer=str(i)), rf"\boxed{{{i}}}", f"m-{uuid.uuid4().hex}") for i in range(48)]
+        ids += [rid for _, _, rid in items]
         assert {v.verdict for v in asyncio.run(scorer.score(items))} == {"pass"}
-    assert not set(app.backend._pending_messages) & set(scorer._collected)
+    if hasattr(app.backend, "get_key_for_task"):  # a key-value result backend (Redis)
+        assert not app.backend.result_consumer.subscribed_to
+        assert not any(app.backend.client.exists(app.backend.get_key_for_task(rid)) for rid in ids)
+    else:  # rpc:// (RabbitMQ): results arrive as messages, each taken once
+        assert scorer.in_flight == 0
 
 
 async def _bridge_once(app, rollouts, deliveries_of_first: int = 2):

@@ -117,3 +117,33 @@ def test_batches_take_the_oldest_policy_version_first(tmp_path):
         lrn._add(delivery(scored("old", i, version=4), 1, i))
     assert [g[0].rollout.task_id for g in lrn._ready_batch()] == ["old"]
     assert [g[0].rollout.task_id for g in lrn._ready_batch()] == ["new"]
+
+
+def test_a_step_waits_for_a_straggling_group_it_would_make_stale(tmp_path):
+    lrn = learner(tmp_path, batch_groups=1, max_lag=1, straggler_wait_s=30.0)
+    lrn.version = 3
+    lrn._add(delivery(scored("late", 0, group_size=2, version=2), 0, 0))  # its second sample is still being scored
+    lrn._add(delivery(scored("new", 0, version=3), 0, 1))
+    lrn._add(delivery(scored("new", 1, version=3), 0, 2))
+    # Stepping now would take version 4, and "late" (version 2) would be 2 > max_lag versions old.
+    assert lrn._ready_batch() is None
+    assert lrn.counters["straggler_groups_waited"] == 1
+    lrn._add(delivery(scored("late", 1, group_size=2, version=2), 0, 3))
+    batch = lrn._ready_batch()
+    assert [g[0].rollout.task_id for g in batch] == ["late"]  # the oldest first, within max_lag
+
+
+def test_the_wait_for_a_straggler_is_bounded(tmp_path):
+    lrn = learner(tmp_path, batch_groups=1, max_lag=1, straggler_wait_s=0.0)  # 0: never wait
+    lrn.version = 3
+    lrn._add(delivery(scored("late", 0, group_size=2, version=2), 0, 0))
+    lrn._add(delivery(scored("new", 0, version=3), 0, 1))
+    lrn._add(delivery(scored("new", 1, version=3), 0, 2))
+    assert [g[0].rollout.task_id for g in lrn._ready_batch()] == ["new"]
+    # A group that is not about to go stale holds nothing back either.
+    lrn2 = learner(tmp_path, batch_groups=1, max_lag=1, straggler_wait_s=30.0)
+    lrn2.version = 3
+    lrn2._add(delivery(scored("recent", 0, group_size=2, version=3), 0, 0))
+    lrn2._add(delivery(scored("new", 0, version=3), 0, 1))
+    lrn2._add(delivery(scored("new", 1, version=3), 0, 2))
+    assert lrn2._ready_batch() is not None

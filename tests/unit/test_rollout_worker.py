@@ -131,3 +131,63 @@ async def test_batching_engine_aborts_a_queued_request(model_dir):
     assert [c.finish_reason for c in await second] == ["abort", "abort"]
     assert all(c.finish_reason in ("stop", "length") for c in await first)
     await engine.close()
+
+
+async def test_admission_is_global_across_workers_and_restarts(tmp_path, model_dir):
+    """Two workers on one tasks topic, a bound of one batch (max_lag 0, 6 samples): together they
+    start two tasks of three samples, not two each; a worker started later does not start from
+    zero; a progress report of the served version lets the next ones in."""
+    import random
+
+    from conveyor.contracts import LearnerProgress
+
+    topics = Topics("glob")
+    transport = MemoryTransport(partitions=2)
+    await transport.create_topics(topics.specs(2))
+    store = LocalObjectStore(tmp_path / "objects")
+
+    def worker():
+        return RolloutWorker(transport, topics, ReferenceEngine(model_dir, seed=0), store, learner_batch_samples=6,
+                             max_lag=0, max_inflight_tasks=8)  # fmt: skip
+
+    problems = sample_problems(random.Random(0))
+    stop = asyncio.Event()
+    workers = [worker(), worker()]
+    runs = [asyncio.create_task(w.run(stop)) for w in workers]
+    async with ServiceClients(transport, topics.dead_letter, "test") as io:
+        pub = io.publisher(topics.tasks)
+        for i in range(12):
+            await (await pub.publish(to_task(next(problems), "glob", 3, i), f"t{i}"))
+
+        async def settled(n: int) -> int:
+            for _ in range(200):
+                total = sum(w.generated for w in workers)
+                if total >= n:
+                    break
+                await asyncio.sleep(0.025)
+            await asyncio.sleep(0.5)  # nothing more starts
+            return sum(w.generated for w in workers)
+
+        assert await settled(6) == 6  # the bound holds over both workers
+        workers.append(worker())  # a worker that joins (or restarts) now
+        runs.append(asyncio.create_task(workers[-1].run(stop)))
+        assert await settled(6) == 6
+        progress = io.publisher(topics.progress)
+        await (await progress.publish(LearnerProgress(run_id="glob", samples_consumed=6, policy_version=0), "glob"))
+        assert await settled(12) == 12
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*runs), 30)
+    assert all(w.ledger.claimed_samples == workers[0].ledger.claimed_samples for w in workers)
+
+
+async def test_a_starting_worker_serves_the_newest_version_without_replaying_older_ones(tmp_path, model_dir):
+    from safetensors.torch import save
+
+    engine = ReferenceEngine(model_dir, seed=0)
+    good = save({k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"})
+    announce = [(v, good, None) for v in range(1, 9)]
+    worker, rollouts, _, error = await _pipeline(tmp_path, engine, announce=announce)
+    assert error is None
+    # Every announcement was in the topic before the worker started: it swapped once, to the newest.
+    assert worker.swaps == 1 and worker.engine.version == 8 and worker.swaps_refused == 0
+    assert {s.policy_version for r in rollouts for s in r.version_segments} == {8}
