@@ -225,6 +225,8 @@ class GRPOLearner:
                 self._window = AdmittedWindow(ledger, bound=self.admission_bound, max_lag=self.max_lag,
                                               wait_s=self.straggler_wait_s)  # fmt: skip
                 self._window.start(self.samples_consumed)
+                # Workers admit against this state until the first report: version 0, nothing consumed.
+                self._window.reported(self.version, self.samples_consumed)
             # A replay source (storage/replay.py) stands in for the scored topic when given.
             sub = self.source or await io.subscribe(
                 [self.topics.scored], self.group_id, ScoredRollout, on_assigned=self._seek_to_checkpoint
