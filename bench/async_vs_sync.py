@@ -57,8 +57,17 @@ if not __package__:  # run as a script: the repository root, not bench/, on the 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 # The arguments that must match for invocations to be summarised together (--combine).
-SETTINGS = ("budget", "eval_every", "grid", "heldout", "async_objective", "engine_process", "learner_process",
-            "max_lag", "updates_per_batch")
+SETTINGS = (
+    "budget",
+    "eval_every",
+    "grid",
+    "heldout",
+    "async_objective",
+    "engine_process",
+    "learner_process",
+    "max_lag",
+    "updates_per_batch",
+)
 
 
 def geomean(ratios) -> float:
@@ -109,25 +118,40 @@ def describe(threshold: float, summary: dict) -> str:
     text += f" over {n} seed{'' if n == 1 else 's'}"
     if summary.get("interval"):
         text += ", 95% interval {:.2f}-{:.2f}".format(*summary["interval"])
-    for key, what in (("async_only", "only the asynchronous run reached it"), ("sync_only", "only lock step reached it"), ("neither", "neither reached it")):
+    for key, what in (
+        ("async_only", "only the asynchronous run reached it"),
+        ("sync_only", "only lock step reached it"),
+        ("neither", "neither reached it"),
+    ):
         if summary[key]:
             text += f"; {what}: seeds {summary[key]}"
     return text
 
 
-def save(out_dir: Path, settings: dict, times: dict, step_ratios: dict[int, float], stamp: str,
-         paces: dict[int, dict[str, float]] | None = None) -> Path:
+def save(
+    out_dir: Path,
+    settings: dict,
+    times: dict,
+    step_ratios: dict[int, float],
+    stamp: str,
+    paces: dict[int, dict[str, float]] | None = None,
+) -> Path:
     """One invocation's per-seed times, for ``--combine``; ``paces``: per seed, each run's
     learner steps per second (the machine's pace: the same code runs 2-5x slower on some
     of these machines than on others, and the ratio moves with it)."""
     path = out_dir / f"async_vs_sync-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "settings": settings,
-        "times": {str(th): {str(seed): t for seed, t in by_seed.items()} for th, by_seed in times.items()},
-        "step_ratios": {str(seed): r for seed, r in step_ratios.items()},
-        "steps_per_s": {str(seed): p for seed, p in (paces or {}).items()},
-    }, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "times": {str(th): {str(seed): t for seed, t in by_seed.items()} for th, by_seed in times.items()},
+                "step_ratios": {str(seed): r for seed, r in step_ratios.items()},
+                "steps_per_s": {str(seed): p for seed, p in (paces or {}).items()},
+            },
+            indent=1,
+        )
+    )
     return path
 
 
@@ -145,8 +169,10 @@ def combine(paths: list[Path]) -> tuple[dict, dict, dict[int, float], dict[int, 
             settings, first = data["settings"], path
         for key in sorted(set(settings) | set(data["settings"])):
             if settings.get(key) != data["settings"].get(key):
-                raise SystemExit(f"{path}: {key} is {data['settings'].get(key)!r}, {first} has {settings.get(key)!r}: "
-                                 "only runs with the same settings are summarised together")
+                raise SystemExit(
+                    f"{path}: {key} is {data['settings'].get(key)!r}, {first} has {settings.get(key)!r}: "
+                    "only runs with the same settings are summarised together"
+                )
         for seed, r in data["step_ratios"].items():
             if int(seed) in seen:
                 raise SystemExit(f"seed {seed} is in both {seen[int(seed)]} and {path}: each seed counts once")
@@ -162,12 +188,19 @@ def combine(paths: list[Path]) -> tuple[dict, dict, dict[int, float], dict[int, 
     return settings, times, step_ratios, paces
 
 
-def report(times: dict[float, dict[int, dict]], step_ratios: dict[int, float], threshold: float, budget: float,
-           paces: dict[int, dict[str, float]] | None = None) -> None:
+def report(
+    times: dict[float, dict[int, dict]],
+    step_ratios: dict[int, float],
+    threshold: float,
+    budget: float,
+    paces: dict[int, dict[str, float]] | None = None,
+) -> None:
     """The summary lines and the FIGUREs; exits 1 when no seed reached ``threshold`` in both runs."""
     if paces:
         sync = sorted(p["sync"] for p in paces.values())
-        print(f"lock-step pace (the machine's): {sync[0]:.2f}-{sync[-1]:.2f} steps/s over {len(sync)} seed{'' if len(sync) == 1 else 's'}")
+        print(
+            f"lock-step pace (the machine's): {sync[0]:.2f}-{sync[-1]:.2f} steps/s over {len(sync)} seed{'' if len(sync) == 1 else 's'}"
+        )
     for th in sorted(times):
         print(describe(th, summarise(times[th])) + (" (the figure)" if th == threshold else ""))
     main_summary = summarise(times.get(threshold, {}))
@@ -240,16 +273,46 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds S)")
     parser.add_argument("--budget", type=float, default=40.0, help="seconds of RL per run")
     parser.add_argument("--threshold", type=float, default=0.9)
-    parser.add_argument("--eval-every", type=float, default=0.0, help="evaluate inside the runs every this many seconds (0: after the runs)")
+    parser.add_argument(
+        "--eval-every", type=float, default=0.0, help="evaluate inside the runs every this many seconds (0: after the runs)"
+    )
     parser.add_argument("--grid", type=float, default=0.5, help="seconds between the evaluated times (after the runs)")
     parser.add_argument("--heldout", type=int, default=300, help="held-out problems per evaluation (after the runs)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
-    parser.add_argument("--async-objective", default="behaviour", help="the asynchronous run's objective (behaviour or decoupled)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DemoConfig.engine_process, help="both runs sample in a child process (the demo's default: %(default)s; --no-engine-process: in process)")
-    parser.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (the demo's default: %(default)s; --no-learner-process: in process)")
-    parser.add_argument("--max-lag", type=int, default=DemoConfig.max_lag, help="the asynchronous run's max_lag (the demo's default: %(default)s; the lock-step run has 0)")
-    parser.add_argument("--updates-per-batch", type=int, default=DemoConfig.updates_per_batch, help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)")
-    parser.add_argument("--combine", type=Path, nargs="+", metavar="FILE", help="summarise earlier invocations' async_vs_sync-*.json as one set of seeds; runs nothing")
+    parser.add_argument(
+        "--async-objective", default="behaviour", help="the asynchronous run's objective (behaviour or decoupled)"
+    )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=DemoConfig.engine_process,
+        help="both runs sample in a child process (the demo's default: %(default)s; --no-engine-process: in process)",
+    )
+    parser.add_argument(
+        "--learner-process",
+        action=argparse.BooleanOptionalAction,
+        default=DemoConfig.learner_process,
+        help="both runs' learners step in a child process (the demo's default: %(default)s; --no-learner-process: in process)",
+    )
+    parser.add_argument(
+        "--max-lag",
+        type=int,
+        default=DemoConfig.max_lag,
+        help="the asynchronous run's max_lag (the demo's default: %(default)s; the lock-step run has 0)",
+    )
+    parser.add_argument(
+        "--updates-per-batch",
+        type=int,
+        default=DemoConfig.updates_per_batch,
+        help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)",
+    )
+    parser.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="summarise earlier invocations' async_vs_sync-*.json as one set of seeds; runs nothing",
+    )
     args = parser.parse_args()
 
     if args.combine:
@@ -296,13 +359,15 @@ def main() -> None:
                 offline = OfflineEval(r, args.out, args.heldout)
                 for th in thresholds:
                     times[th].setdefault(seed, {})[mode] = offline.time_to(th, args.grid, r.rl_time_s)
-                (r.run_dir / "heldout_by_version.json").write_text(json.dumps({
-                    "heldout": args.heldout, "published": offline.published, "pass_rate": offline.rates}))
+                (r.run_dir / "heldout_by_version.json").write_text(
+                    json.dumps({"heldout": args.heldout, "published": offline.published, "pass_rate": offline.rates})
+                )
                 offline.sandbox.close()
             steps_per_s[mode] = r.steps / r.rl_time_s
             print(
                 f"seed {seed} {mode:5s}: start {r.heldout_start:.2f} end {r.heldout_end:.2f} steps {r.steps} "
-                f"rl {r.rl_time_s:.0f}s time to " + ", ".join(f"{th}: {times[th][seed][mode]}" for th in thresholds)
+                f"rl {r.rl_time_s:.0f}s time to "
+                + ", ".join(f"{th}: {times[th][seed][mode]}" for th in thresholds)
                 + f"; max staleness {r.max_staleness}",
                 flush=True,
             )
@@ -310,8 +375,11 @@ def main() -> None:
         paces[seed] = steps_per_s
         t = times[args.threshold][seed]
         ratio = summarise({seed: t})["ratios"].get(seed)
-        print(f"seed {seed}: async_speedup {'not measured (' + str(t) + ')' if ratio is None else f'{ratio:.2f} x'}, "
-              f"steps/s ratio {step_ratios[seed]:.2f}", flush=True)
+        print(
+            f"seed {seed}: async_speedup {'not measured (' + str(t) + ')' if ratio is None else f'{ratio:.2f} x'}, "
+            f"steps/s ratio {step_ratios[seed]:.2f}",
+            flush=True,
+        )
         # Written after every seed: an invocation cut short still leaves the seeds it finished.
         path = save(args.out, {k: getattr(args, k) for k in SETTINGS}, times, step_ratios, stamp, paces)
     print(f"per-seed times: {path} (--combine)")

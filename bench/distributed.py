@@ -234,14 +234,20 @@ def bridge_rate(work: Path, kafka: dict, s3: dict, redis_url: str, rollouts: lis
 
     asyncio.run(publish())
     serve = [sys.executable, "-m", "conveyor.cli.main", "serve"]
-    logs = (work / run_id / "logs")
+    logs = work / run_id / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     procs = [subprocess.Popen([*serve, "reward-worker", "--config", str(path), "--concurrency", "1", "--hostname", f"b{i}@%h"],
                               stdout=(logs / f"reward-worker-{i}.log").open("w"), stderr=subprocess.STDOUT,
                               start_new_session=True) for i in range(reward_workers)]  # fmt: skip
     time.sleep(8)  # the Celery workers are up before the bridge starts taking the backlog
-    procs.append(subprocess.Popen([*serve, "reward-bridge", "--config", str(path), "--tokenizer", str(tokenizer_dir)],
-                                  stdout=(logs / "reward-bridge.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True))
+    procs.append(
+        subprocess.Popen(
+            [*serve, "reward-bridge", "--config", str(path), "--tokenizer", str(tokenizer_dir)],
+            stdout=(logs / "reward-bridge.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )
     try:
         return _scored_rate(kafka, topics.scored, len(rollouts), ScoredRollout)
     finally:
@@ -286,7 +292,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=300.0, help="seconds of RL before the stop")
     ap.add_argument("--rollout-workers", type=int, default=2)
     ap.add_argument("--reward-workers", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=None, help="learner lr (default: the config's; 1e-12: a learner that does not learn)")
+    ap.add_argument(
+        "--lr", type=float, default=None, help="learner lr (default: the config's; 1e-12: a learner that does not learn)"
+    )
     ap.add_argument("--no-bridge-rate", action="store_true", help="skip the bridge's backlog measurement")
     ap.add_argument("--work", type=Path, default=Path("runs/bench-distributed"))
     args = ap.parse_args()

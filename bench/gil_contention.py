@@ -70,7 +70,9 @@ def main() -> None:
     in_procs = max(out.get() for _ in procs)
     for p in procs:
         p.join()
-    print(f"one loop alone {alone:.2f} s; two as threads of one process {in_threads:.2f} s each; two processes {in_procs:.2f} s each")
+    print(
+        f"one loop alone {alone:.2f} s; two as threads of one process {in_threads:.2f} s each; two processes {in_procs:.2f} s each"
+    )
     print(f"FIGURE gil_threads_slowdown {in_threads / alone:.2f} x")
     print(f"FIGURE gil_processes_slowdown {in_procs / alone:.2f} x")
 

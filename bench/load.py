@@ -119,8 +119,10 @@ def main() -> None:
         if rss and level:
             growth[name] = (rss, level)
     for name, (rss, level) in growth.items():
-        print(f"{name}: {rss[0]:.0f} MiB after warm-up, max sample {rss[1]:.0f} MiB later ({rss[2]:+.1f} %), "
-              f"max one-minute level {level[1]:.0f} MiB ({level[2]:+.1f} %)")
+        print(
+            f"{name}: {rss[0]:.0f} MiB after warm-up, max sample {rss[1]:.0f} MiB later ({rss[2]:+.1f} %), "
+            f"max one-minute level {level[1]:.0f} MiB ({level[2]:+.1f} %)"
+        )
     print(f"restarts: {restarts or 'none'}; learner: {progress}")
     rate = progress["samples_consumed"] / (args.minutes * 60) if progress else 0.0
     print(f"FIGURE load_rss_growth_max {max(r[2] for r, _ in growth.values()):.1f} %")

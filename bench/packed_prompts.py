@@ -69,15 +69,22 @@ def main() -> None:
     assert torch.allclose(lw, ls, atol=1e-4), float((lw - ls).abs().max())
     worst = max(float((gw[n] - gs[n]).abs().max() / (gw[n].abs().max() + 1e-12)) for n in gw)
     assert worst < 1e-3, worst
-    tokens = {s: sum(p.tokens for p in packing.pack_sequences(prompts, completions, args.pack_tokens, share_prompts=s)) for s in (False, True)}
+    tokens = {
+        s: sum(p.tokens for p in packing.pack_sequences(prompts, completions, args.pack_tokens, share_prompts=s))
+        for s in (False, True)
+    }
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.repeats):
         for share in (False, True):
             times[share].append(run(share)[0])
     whole, shared = statistics.median(times[False]), statistics.median(times[True])
-    print(f"{args.groups} groups x {args.samples} samples, prompt {args.prompt}, completion {args.completion}, packs of {args.pack_tokens}")
+    print(
+        f"{args.groups} groups x {args.samples} samples, prompt {args.prompt}, completion {args.completion}, packs of {args.pack_tokens}"
+    )
     print(f"whole sequences: {tokens[False]} tokens, {whole * 1e3:.0f} ms fwd+bwd (median of {args.repeats})")
-    print(f"shared prompts:  {tokens[True]} tokens, {shared * 1e3:.0f} ms fwd+bwd; same log-probs, gradients to {worst:.1e} relative")
+    print(
+        f"shared prompts:  {tokens[True]} tokens, {shared * 1e3:.0f} ms fwd+bwd; same log-probs, gradients to {worst:.1e} relative"
+    )
     print(f"FIGURE packed_shared_prompt_speedup {whole / shared:.2f} x")
 
 

@@ -150,7 +150,9 @@ async def main(args) -> None:
     for r in range(args.rounds):
         engine_rates.append(await direct(plain, prompts, args.n, args.max_tokens))
         worker_rates.append((await through_worker(plain, texts, args.n, args.max_tokens, root / f"w{r}", swap=False))[0])
-        print(f"round {r}: vLLM directly {engine_rates[-1]:,.0f} tokens/s, through the worker {worker_rates[-1]:,.0f}", flush=True)
+        print(
+            f"round {r}: vLLM directly {engine_rates[-1]:,.0f} tokens/s, through the worker {worker_rates[-1]:,.0f}", flush=True
+        )
     vllm_tps, worker_tps = statistics.median(engine_rates), statistics.median(worker_rates)
     rep = [tok(("ab cd " * 8)[: 8 + i % 5], add_special_tokens=False).input_ids for i in range(16)]
     await greedy_time(plain, rep[:2], 8)

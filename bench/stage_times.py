@@ -65,8 +65,18 @@ def _timed(owner, name: str, totals: dict, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def one_run(mode: str, seed: int, budget: float, warmup_steps: int, out: Path, max_lag: int, keep_versions: int,
-            engine_process: bool, learner_process: bool, updates_per_batch: int) -> dict:
+def one_run(
+    mode: str,
+    seed: int,
+    budget: float,
+    warmup_steps: int,
+    out: Path,
+    max_lag: int,
+    keep_versions: int,
+    engine_process: bool,
+    learner_process: bool,
+    updates_per_batch: int,
+) -> dict:
     import conveyor.demo as demo
     import learner.recipe
     import reward.scorers
@@ -109,19 +119,49 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=25.0, help="seconds of RL per run")
     ap.add_argument("--warmup-steps", type=int, default=800, help="the demo's default")
-    ap.add_argument("--max-lag", type=int, default=DemoConfig.max_lag, help="the asynchronous run's (the demo's default: %(default)s)")
-    ap.add_argument("--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)")
-    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DemoConfig.engine_process, help="both runs sample in a child process (ProcessEngine; the demo's default: %(default)s; --no-engine-process: in process)")
-    ap.add_argument("--learner-process", action=argparse.BooleanOptionalAction, default=DemoConfig.learner_process, help="both runs' learners step in a child process (StepProcess; the demo's default: %(default)s; --no-learner-process: in process)")
-    ap.add_argument("--updates-per-batch", type=int, default=DemoConfig.updates_per_batch, help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)")
+    ap.add_argument(
+        "--max-lag", type=int, default=DemoConfig.max_lag, help="the asynchronous run's (the demo's default: %(default)s)"
+    )
+    ap.add_argument(
+        "--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)"
+    )
+    ap.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=DemoConfig.engine_process,
+        help="both runs sample in a child process (ProcessEngine; the demo's default: %(default)s; --no-engine-process: in process)",
+    )
+    ap.add_argument(
+        "--learner-process",
+        action=argparse.BooleanOptionalAction,
+        default=DemoConfig.learner_process,
+        help="both runs' learners step in a child process (StepProcess; the demo's default: %(default)s; --no-learner-process: in process)",
+    )
+    ap.add_argument(
+        "--updates-per-batch",
+        type=int,
+        default=DemoConfig.updates_per_batch,
+        help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)",
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     runs = {}
     for mode in ("sync", "async"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            r = runs[mode] = pool.submit(one_run, mode, args.seed, args.budget, args.warmup_steps, args.out, args.max_lag, args.keep_versions,
-                                          args.engine_process, args.learner_process, args.updates_per_batch).result()
+            r = runs[mode] = pool.submit(
+                one_run,
+                mode,
+                args.seed,
+                args.budget,
+                args.warmup_steps,
+                args.out,
+                args.max_lag,
+                args.keep_versions,
+                args.engine_process,
+                args.learner_process,
+                args.updates_per_batch,
+            ).result()
         n = r["steps"]
         per = {k: r[k] / n * 1e3 for k in ("wall", "cpu", "train", "generate", "score")}
         rest = per["wall"] - per["train"] - per["generate"] - per["score"]

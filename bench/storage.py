@@ -153,8 +153,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--demo-rate", type=float, default=1000.0,
-                    help="rollouts/s of `conveyor demo` (its display; 909-1,109 over three seeds on 2026-12-02)")
+    ap.add_argument(
+        "--demo-rate",
+        type=float,
+        default=1000.0,
+        help="rollouts/s of `conveyor demo` (its display; 909-1,109 over three seeds on 2026-12-02)",
+    )
     ap.add_argument("--sink-inflight", type=int, default=2, help="flushes the sink runs at once (StorageSink.max_inflight)")
     ap.add_argument("--compression", default=None, help="Parquet codec of the parts (default: storage.lake.COMPRESSION)")
     args = ap.parse_args()
@@ -188,7 +192,9 @@ def main() -> None:
             print(f"sink: {rate:.0f} rollouts/s")
             rates, cpu, parts = replay_rates(store, run_id, args.rounds, meter=meter)
             for o, t, r in zip(rates["iter"], rates["iter_tables"], rates["raw"]):
-                print(f"replay round: LakeReader.iter {o:.0f} rollouts/s, .iter_tables {t:.0f} rollouts/s, raw boto3 GET {r:.0f} rollouts/s")
+                print(
+                    f"replay round: LakeReader.iter {o:.0f} rollouts/s, .iter_tables {t:.0f} rollouts/s, raw boto3 GET {r:.0f} rollouts/s"
+                )
             for name, line in cpu.items():
                 print(f"replay CPU per part ({parts} parts, last round, ms) {name}: {line}")
             o, t, r = (statistics.median(rates[k]) for k in ("iter", "iter_tables", "raw"))

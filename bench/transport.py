@@ -25,7 +25,7 @@ import uuid
 
 
 def make_rollouts(n: int, tokens: int):
-    from conveyor.contracts import Rollout, Task, float32_array, int32_array, uint8_array, VersionSegment, rollout_id
+    from conveyor.contracts import Rollout, Task, VersionSegment, float32_array, int32_array, rollout_id, uint8_array
 
     task = Task(task_id="bench", run_id="bench", prompt="x" * 64)
     ids = int32_array(range(tokens))
@@ -152,7 +152,9 @@ async def conveyor_round(cfg, rollouts, partitions: int) -> float:
         await producer.close()
 
 
-async def run(bootstrap: str, n: int, rounds: int, tokens: int, partitions: int, args_in_flight: int = 64 << 20) -> tuple[float, float, int]:
+async def run(
+    bootstrap: str, n: int, rounds: int, tokens: int, partitions: int, args_in_flight: int = 64 << 20
+) -> tuple[float, float, int]:
     from conveyor.config import KafkaTransportConfig
     from conveyor.contracts import encode
 
@@ -187,8 +189,7 @@ def main() -> None:
     stack = None
     bootstrap = args.bootstrap
     if bootstrap is None:
-        from conveyor.stack.manager import Stack, StackPorts
-        from conveyor.stack.manager import free_port_block
+        from conveyor.stack.manager import Stack, StackPorts, free_port_block
 
         stack = Stack(tempfile.mkdtemp(prefix="conveyor-bench-"), StackPorts.from_base(free_port_block()))
         stack.up(["kafka"])

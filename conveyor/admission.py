@@ -71,11 +71,11 @@ class AdmissionLedger:
 
     @classmethod
     async def open(cls, io: ServiceClients, topics: Topics, member: str) -> AdmissionLedger:
-        """The ledger of ``topics``' run, read by ``member`` (a group of its own, from the start).
+        """The ledger of ``topics``' run, read by ``member`` from the start (in no consumer group).
         The topic is created first with its one partition (whoever starts first, a worker or a
         producer; a broker that auto-creates topics would give it its default partition count)."""
         await io.transport.create_topics([TopicSpec(topics.admissions, 1)])
-        sub = await io.subscribe([topics.admissions], f"admissions-{member}", Admission)
+        sub = await io.subscribe([topics.admissions], None, Admission)  # a reader: no group, read whole
         return cls(topics.run_id, member, sub, io.publisher(topics.admissions))
 
     def ticket(self, key: str) -> int | None:
@@ -122,8 +122,13 @@ class AdmissionLedger:
     async def _append(self, kind: str, items: Sequence[tuple[str, int]]) -> None:
         if items:
             await self._pub.publish_and_wait(
-                Admission(run_id=self.run_id, kind=kind, member=self.member,  # type: ignore[arg-type]
-                          keys=[k for k, _ in items], samples=[n for _, n in items]),  # fmt: skip
+                Admission(
+                    run_id=self.run_id,
+                    kind=kind,
+                    member=self.member,  # type: ignore[arg-type]
+                    keys=[k for k, _ in items],
+                    samples=[n for _, n in items],
+                ),  # fmt: skip
                 key=self.run_id,
             )
 
@@ -145,4 +150,3 @@ def admissible(ticket: int, consumed: int, bound: int) -> bool:
     """Whether the attempt holding ``ticket`` may start: the samples started before it and not
     consumed yet, plus its own, stay within ``bound`` (``(max_lag + 1) * learner batch``)."""
     return ticket - consumed <= bound
-

@@ -71,7 +71,7 @@ class KafkaTransportConfig(_Section):
     max_poll_interval_ms: int = Field(300_000, ge=1000)
 
     @model_validator(mode="after")
-    def _heartbeat_below_session(self) -> "KafkaTransportConfig":
+    def _heartbeat_below_session(self) -> KafkaTransportConfig:
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
             raise ValueError("transport.heartbeat_interval_ms must be at most a third of session_timeout_ms")
         return self
@@ -170,9 +170,7 @@ class LocalExecutorConfig(_Section):
     processes: int = Field(2, ge=1, le=256)
 
 
-CeleryBrokerConfig = Annotated[
-    RedisBrokerConfig | RabbitMQBrokerConfig | LocalExecutorConfig, Field(discriminator="type")
-]
+CeleryBrokerConfig = Annotated[RedisBrokerConfig | RabbitMQBrokerConfig | LocalExecutorConfig, Field(discriminator="type")]
 
 
 class RewardConfig(_Section):
@@ -352,9 +350,7 @@ class MetricsConfig(_Section):
 class RunConfig(BaseSettings):
     """A whole run: which backends, and how each service is tuned."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="CONVEYOR_", env_nested_delimiter="__", extra="forbid", frozen=True
-    )
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
     run_id: str = "default"
     """Namespace of the run's topics and objects."""

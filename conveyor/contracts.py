@@ -173,9 +173,7 @@ def rollout_id(task_id: str, sample_index: int, attempt: int = 0) -> str:
     A redelivered task regenerates rollouts under the same ids, so the reward
     bridge, learner and storage sink deduplicate them.
     """
-    digest = hashlib.blake2b(
-        f"{task_id}\x1f{sample_index}\x1f{attempt}".encode(), digest_size=12
-    ).hexdigest()
+    digest = hashlib.blake2b(f"{task_id}\x1f{sample_index}\x1f{attempt}".encode(), digest_size=12).hexdigest()
     return f"ro-{digest}"
 
 

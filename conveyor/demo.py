@@ -132,7 +132,11 @@ def _warmup(model, tokenizer, cfg: DemoConfig, rng: random.Random) -> float:
     for _ in range(cfg.warmup_steps):
         batch = [next(stream) for _ in range(64)]
         loss = sft_step(
-            model, opt, [enc(p.prompt) for p in batch], [enc(warmup_completion(p, rng, cfg.warmup_noise)) for p in batch], tokenizer.pad_token_id
+            model,
+            opt,
+            [enc(p.prompt) for p in batch],
+            [enc(warmup_completion(p, rng, cfg.warmup_noise)) for p in batch],
+            tokenizer.pad_token_id,
         )
     return loss
 
@@ -147,12 +151,12 @@ def _task_stream(cfg: DemoConfig, run_id: str, rng: random.Random):
 async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     from conveyor.topics import Topics
     from conveyor.transport.memory import MemoryTransport
+    from learner.grpo import LossConfig
     from learner.recipe import GRPOLearner
     from producers.producer import TaskProducer
     from reward.bridge import RewardBridge
     from reward.scorers import LocalScorer
     from rollout_workers.worker import RolloutWorker
-    from learner.grpo import LossConfig
     from storage.sink import StorageSink
 
     if cfg.objective not in ("behaviour", "decoupled", "on_policy"):
@@ -164,16 +168,31 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     max_lag = 0 if cfg.sync else cfg.max_lag
     producer = TaskProducer(transport, topics, ctx["tasks"], learner_batch_samples=batch_samples, max_lag=max_lag)
     worker = RolloutWorker(
-        transport, topics, ctx["engine"], ctx["store"],
-        learner_batch_samples=batch_samples, max_lag=max_lag, tasks_per_batch=cfg.batch_groups,
+        transport,
+        topics,
+        ctx["engine"],
+        ctx["store"],
+        learner_batch_samples=batch_samples,
+        max_lag=max_lag,
+        tasks_per_batch=cfg.batch_groups,
         max_inflight_tasks=cfg.batch_groups * (2 if cfg.engine == "vllm" else 1),
     )
     bridge = RewardBridge(transport, topics, LocalScorer(ctx["sandbox"]), ctx["engine"].decode)
     learner = GRPOLearner(
-        transport, topics, ctx["model"], ctx["pad_id"], ctx["store"],
-        run_dir=ctx["run_dir"], batch_groups=cfg.batch_groups, max_lag=max_lag, lr=cfg.lr, checkpoint_every=25,
-        keep_versions=cfg.keep_versions, pack_tokens=cfg.pack_tokens,
-        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef), step_process=cfg.learner_process,
+        transport,
+        topics,
+        ctx["model"],
+        ctx["pad_id"],
+        ctx["store"],
+        run_dir=ctx["run_dir"],
+        batch_groups=cfg.batch_groups,
+        max_lag=max_lag,
+        lr=cfg.lr,
+        checkpoint_every=25,
+        keep_versions=cfg.keep_versions,
+        pack_tokens=cfg.pack_tokens,
+        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef),
+        step_process=cfg.learner_process,
         updates_per_batch=cfg.updates_per_batch,
     )
     sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)

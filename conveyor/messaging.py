@@ -62,7 +62,7 @@ class ClaimCheck:
     put-if-absent, so a re-published message reuses its object.
     """
 
-    def __init__(self, store: "ObjectStore", threshold_bytes: int, prefix: str = "claims") -> None:
+    def __init__(self, store: ObjectStore, threshold_bytes: int, prefix: str = "claims") -> None:
         self.store = store
         self.threshold_bytes = threshold_bytes
         self.prefix = prefix.strip("/")
@@ -90,7 +90,7 @@ class Publisher(Generic[M]):
         topic: str,
         *,
         claim_check: ClaimCheck | None = None,
-        metrics: "TransportMetrics | None" = None,
+        metrics: TransportMetrics | None = None,
     ) -> None:
         self.producer = producer
         self.topic = topic
@@ -164,7 +164,7 @@ class Subscriber(Generic[M]):
         dead_letters: DeadLetterSink,
         claim_check: ClaimCheck | None = None,
         from_beginning: bool = True,
-        metrics: "TransportMetrics | None" = None,
+        metrics: TransportMetrics | None = None,
         on_assigned=None,
         on_revoked=None,
     ) -> None:
@@ -263,7 +263,7 @@ class ServiceClients:
         self._heartbeats = heartbeats
         self._beating: asyncio.Task | None = None
 
-    async def __aenter__(self) -> "ServiceClients":
+    async def __aenter__(self) -> ServiceClients:
         await self.producer.start()
         self.dead_letters = DeadLetterSink(self.producer, self.dead_letter_topic, self.service)
         if self._heartbeats is not None:

@@ -25,7 +25,7 @@ class TransportMetrics:
     publish_latency: Histogram
 
     @classmethod
-    def create(cls, registry: CollectorRegistry | None = None) -> "TransportMetrics":
+    def create(cls, registry: CollectorRegistry | None = None) -> TransportMetrics:
         registry = registry if registry is not None else make_registry()
         return cls(
             published=Counter("conveyor_messages_published", "Messages published", ["topic"], registry=registry),
@@ -58,12 +58,18 @@ class RolloutMetrics:
     registry: CollectorRegistry
 
     @classmethod
-    def create(cls, registry: CollectorRegistry | None = None) -> "RolloutMetrics":
+    def create(cls, registry: CollectorRegistry | None = None) -> RolloutMetrics:
         registry = registry or make_registry()
         return cls(
-            swap_seconds=Histogram("conveyor_weight_swap_seconds", "Fetch, verify and swap a weights version",
-                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry),  # fmt: skip
-            swaps_refused=Counter("conveyor_weight_swaps_refused", "Weights objects refused (missing, corrupt, misfit)", registry=registry),
+            swap_seconds=Histogram(
+                "conveyor_weight_swap_seconds",
+                "Fetch, verify and swap a weights version",
+                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                registry=registry,
+            ),  # fmt: skip
+            swaps_refused=Counter(
+                "conveyor_weight_swaps_refused", "Weights objects refused (missing, corrupt, misfit)", registry=registry
+            ),
             policy_version=Gauge("conveyor_worker_policy_version", "Policy version the engine serves", registry=registry),
             tokens=Counter("conveyor_generated_tokens", "Completion tokens generated", registry=registry),
             registry=registry,

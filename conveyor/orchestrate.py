@@ -83,7 +83,11 @@ class Role:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            self.argv, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            self.argv,
+            stdout=self.log_path.open("a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self.starts += 1
 

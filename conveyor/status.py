@@ -191,9 +191,15 @@ async def collect(cfg: RunConfig, window_s: float = 2.0) -> dict:
         rate = (progress.samples_consumed - first.samples_consumed) / window_s
     status = {
         "run_id": cfg.run_id,
-        "learner": None if progress is None else {"policy_version": progress.policy_version,
-                                                  "samples_consumed": progress.samples_consumed, "step": progress.step,
-                                                  "reward_mean": progress.reward_mean, "max_staleness": progress.max_staleness},  # fmt: skip
+        "learner": None
+        if progress is None
+        else {
+            "policy_version": progress.policy_version,
+            "samples_consumed": progress.samples_consumed,
+            "step": progress.step,
+            "reward_mean": progress.reward_mean,
+            "max_staleness": progress.max_staleness,
+        },  # fmt: skip
         "weights": None if weights is None else {"version": weights.version, "uri": weights.uri},
         "samples_per_s": rate,
     }

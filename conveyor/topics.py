@@ -42,8 +42,7 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 def validate_run_id(run_id: str) -> str:
     if not _RUN_ID.match(run_id):
         raise ValueError(
-            f"run_id {run_id!r} must be 1-64 characters of letters, digits, '_' or '-', "
-            "starting with a letter or digit"
+            f"run_id {run_id!r} must be 1-64 characters of letters, digits, '_' or '-', starting with a letter or digit"
         )
     return run_id
 
@@ -98,17 +97,20 @@ class Topics:
     def all(self) -> list[str]:
         return [self.name(kind) for kind in TOPIC_KINDS]
 
-    def specs(self, partitions: int) -> list["TopicSpec"]:
-        """What to create for a run: data topics with ``partitions`` partitions;
-        ``weights``, ``progress`` (keyed by run_id, one writer), ``admissions`` (a ledger
-        every reader must see in one order) and ``heartbeats`` (a few messages a second) with one, ``weights`` compacted so a new worker reads the latest
-        version first."""
+    def shared_specs(self) -> list[TopicSpec]:
+        """The single-partition topics every instance reads whole (weights, progress, admissions)."""
+        return [s for s in self.specs(1) if s.name in (self.weights, self.progress, self.admissions)]
+
+    def specs(self, partitions: int) -> list[TopicSpec]:
+        """What to create for a run: data topics with ``partitions`` partitions; one partition
+        for ``weights`` and ``progress`` (keyed by run_id, one writer), ``admissions`` (a ledger
+        every reader must see in one order) and ``heartbeats`` (a few messages a second);
+        ``weights`` compacted so a new worker reads the latest version first."""
         from conveyor.transport.base import TopicSpec
 
         single = {"weights", "progress", "admissions", "heartbeats"}
         return [
-            TopicSpec(self.name(kind), 1 if kind in single else partitions, compacted=kind == "weights")
-            for kind in TOPIC_KINDS
+            TopicSpec(self.name(kind), 1 if kind in single else partitions, compacted=kind == "weights") for kind in TOPIC_KINDS
         ]
 
 

@@ -44,7 +44,7 @@ class RankGroup:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls) -> "RankGroup | None":
+    def from_env(cls) -> RankGroup | None:
         """Join the process group torchrun describes (``WORLD_SIZE`` > 1), or None for one process.
         NCCL on GPUs (each rank on ``cuda:LOCAL_RANK``), gloo on CPU."""
         world = int(os.environ.get("WORLD_SIZE", "1"))

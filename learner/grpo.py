@@ -65,8 +65,13 @@ def group_advantages(rewards: list[float], std_normalise: bool = True, eps: floa
 
 
 def completion_logprobs(
-    model, prompts: list[list[int]], completions: list[list[int]], pad_id: int, entropy: list | None = None,
-    temperatures: list[float] | None = None, token_entropies: list | None = None,
+    model,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    entropy: list | None = None,
+    temperatures: list[float] | None = None,
+    token_entropies: list | None = None,
 ) -> list[torch.Tensor]:
     """log p(completion token | prefix) under ``model``, one tensor per sequence.
 
@@ -90,10 +95,14 @@ def check_prompts(prompts: list[list[int]], completions: list[list[int]]) -> Non
     at the prompt's last position, which does not exist (it would silently read another row)."""
     for i, (p, c) in enumerate(zip(prompts, completions)):
         if len(c) and not len(p):
-            raise ValueError(f"sequence {i}: an empty prompt before {len(c)} completion tokens (a prompt needs at least one token, e.g. BOS)")
+            raise ValueError(
+                f"sequence {i}: an empty prompt before {len(c)} completion tokens (a prompt needs at least one token, e.g. BOS)"
+            )
 
 
-def _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None) -> list[torch.Tensor]:
+def _whole_sequence_logprobs(
+    model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None
+) -> list[torch.Tensor]:
     """:func:`completion_logprobs` with every sequence run whole (right-padded)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
@@ -132,7 +141,9 @@ def _token_logprobs(logits, targets, sel, temperatures, entropy, with_entropy=Fa
     return logsm.gather(-1, targets[:, :, None]).squeeze(-1), ent if with_entropy else None
 
 
-def _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None) -> list[torch.Tensor]:
+def _shared_prefix_logprobs(
+    model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None
+) -> list[torch.Tensor]:
     """:func:`completion_logprobs` with each distinct prompt forwarded once.
 
     The distinct prompts (left-padded) are run once with a KV cache; the cache is

@@ -59,8 +59,13 @@ def dpo_pairs(rows: Iterable[ScoredRollout], max_pairs_per_group: int = 4, seed:
     for task_id in sorted(groups):
         group = groups[task_id]
         cands = [
-            Pair(task_id, a.rollout.prompt_token_ids.tolist(), a.rollout.completion_token_ids.tolist(),
-                 b.rollout.completion_token_ids.tolist(), a.reward - b.reward)  # fmt: skip
+            Pair(
+                task_id,
+                a.rollout.prompt_token_ids.tolist(),
+                a.rollout.completion_token_ids.tolist(),
+                b.rollout.completion_token_ids.tolist(),
+                a.reward - b.reward,
+            )  # fmt: skip
             for a in group
             for b in group
             if a.reward > b.reward and a.rollout.completion_token_ids.tolist() != b.rollout.completion_token_ids.tolist()
@@ -106,7 +111,15 @@ def dpo_loss(pc, pr, rc, rr, beta: float) -> tuple[torch.Tensor, dict[str, float
 
 
 def train_dpo(
-    model, pairs: list[Pair], pad_id: int, *, epochs: int = 1, batch_size: int = 16, lr: float = 5e-5, beta: float = 0.1, seed: int = 0
+    model,
+    pairs: list[Pair],
+    pad_id: int,
+    *,
+    epochs: int = 1,
+    batch_size: int = 16,
+    lr: float = 5e-5,
+    beta: float = 0.1,
+    seed: int = 0,
 ) -> dict:
     if not pairs:
         raise ValueError("no preference pairs (no group had different rewards)")

@@ -62,7 +62,9 @@ class Pack:
         return allowed[None, None]
 
 
-def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pack_tokens: int, *, share_prompts: bool = True) -> list[Pack]:
+def pack_sequences(
+    prompts: list[list[int]], completions: list[list[int]], pack_tokens: int, *, share_prompts: bool = True
+) -> list[Pack]:
     """First-fit packing in order of units; a unit longer than ``pack_tokens`` gets a pack of its own.
 
     A unit is one prompt followed by the completions that share it (a GRPO group's samples), so
@@ -129,7 +131,9 @@ def shares_prompts(model) -> bool:
     return getattr(config, "_attn_implementation", "") != "flash_attention_2"
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     logsm = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1)
     src = logsm if entropy_grad else logsm.detach()  # trained on only as the entropy bonus
     entropy = -(src.exp() * src).sum(-1)
@@ -137,7 +141,11 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def token_logprobs(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int = 1024, entropy: list | None = None,
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    targets: torch.Tensor,
+    chunk_tokens: int = 1024,
+    entropy: list | None = None,
     entropy_grad: bool = False,
 ) -> torch.Tensor:
     """log p(targets[t] | hidden[t]) for every t, ``chunk_tokens`` positions at a time (checkpointed).
@@ -214,7 +222,11 @@ def packed_completion_logprobs(
         # Completion token 0 is predicted from the prompt's last position, token j from token j-1.
         rows, targets, scales = [], [], []
         for i, ps, plen, cs, k in pack.spans:
-            rows.append(torch.cat([torch.tensor([ps + plen - 1]), torch.arange(cs, cs + k - 1)]) if k else torch.zeros(0, dtype=torch.long))
+            rows.append(
+                torch.cat([torch.tensor([ps + plen - 1]), torch.arange(cs, cs + k - 1)])
+                if k
+                else torch.zeros(0, dtype=torch.long)
+            )
             targets.append(pack.input_ids[0, cs : cs + k])
             scales.append(torch.full((k,), 1.0 / (temperatures[i] if temperatures else 1.0)))
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731

@@ -200,8 +200,10 @@ class GRPOLearner:
             if ranks is not None:
                 raise ValueError("learner.step_process does not combine with several ranks (each rank already is a process)")
             if any(p.device.type != "cpu" for p in model.parameters()):
-                raise ValueError("learner.step_process is for a CPU learner (the model is on another device, where the "
-                                 "step leaves the GIL by itself)")
+                raise ValueError(
+                    "learner.step_process is for a CPU learner (the model is on another device, where the "
+                    "step leaves the GIL by itself)"
+                )
             from learner.step_process import StepProcess
 
             self._steps = StepProcess(model, pad_id, dict(run_dir=self.run_dir, lr=lr, loss=loss, warmup_steps=warmup_steps,
@@ -378,9 +380,7 @@ class GRPOLearner:
                 self._waited.discard(task_id)
 
     def _ready_batch(self) -> list[list[ScoredRollout]] | None:
-        complete = [
-            t for t, g in self._groups.items() if len(g) >= next(iter(g.values())).message.rollout.group_size
-        ]
+        complete = [t for t, g in self._groups.items() if len(g) >= next(iter(g.values())).message.rollout.group_size]
         if len(complete) < self.batch_groups or self._waiting_for_straggler(complete) or self._window_holds():
             return None
         # Oldest policy first, then arrival: records of several partitions arrive interleaved
@@ -590,8 +590,9 @@ class GRPOLearner:
             return completion_logprobs(self.model, prompts, completions, self.pad_id, entropy=entropy, temperatures=temps,
                                        token_entropies=token_entropies)  # fmt: skip
 
-    def _accumulate(self, prompts, completions, behaviour, advantages, masks, fresh=None, temps=None,
-                    prox_cache: list | None = None) -> tuple[float, dict]:
+    def _accumulate(
+        self, prompts, completions, behaviour, advantages, masks, fresh=None, temps=None, prox_cache: list | None = None
+    ) -> tuple[float, dict]:
         """Forward and backward over ``_micro_batches``; the gradients equal one pass over the whole
         batch (each part is normalised by the batch's totals; on several ranks each rank's part is
         scaled by the rank count, as FSDP averages gradients over ranks).
@@ -620,7 +621,7 @@ class GRPOLearner:
                 idx, zero = [0], True
             else:
                 zero = False
-            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
             p, c = pick(prompts), pick(completions)
             t = pick(temps) if temps else None
             prox = ref = None

@@ -140,4 +140,3 @@ class StepProcess:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
-

@@ -124,7 +124,7 @@ class Curriculum(Iterator[Task]):
 
     # ---------------------------------------------------------------- stream
 
-    def __iter__(self) -> "Curriculum":
+    def __iter__(self) -> Curriculum:
         return self
 
     def __next__(self) -> Task:

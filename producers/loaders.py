@@ -69,9 +69,17 @@ KNOWN_VERIFIERS: dict[str, tuple[str, ...]] = {
 }
 _ROLES = ("system", "user", "assistant", "tool")
 _SPLITS = {
-    "train": "train", "training": "train",
-    "heldout": "heldout", "held_out": "heldout", "held-out": "heldout", "test": "heldout",
-    "eval": "heldout", "evaluation": "heldout", "validation": "heldout", "val": "heldout", "dev": "heldout",
+    "train": "train",
+    "training": "train",
+    "heldout": "heldout",
+    "held_out": "heldout",
+    "held-out": "heldout",
+    "test": "heldout",
+    "eval": "heldout",
+    "evaluation": "heldout",
+    "validation": "heldout",
+    "val": "heldout",
+    "dev": "heldout",
 }
 
 
@@ -147,7 +155,7 @@ class VerifierRule(_Model):
     constants: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "VerifierRule":
+    def _one_kind(self) -> VerifierRule:
         if (self.kind is None) == (self.kind_field is None):
             raise ValueError("give exactly one of kind (fixed) or kind_field (read from the record)")
         if self.kind is not None and self.kind not in KNOWN_VERIFIERS:
@@ -197,7 +205,7 @@ class FieldMapping(_Model):
         return [v] if isinstance(v, dict) else v
 
     @model_validator(mode="after")
-    def _has_prompt_and_verifier(self) -> "FieldMapping":
+    def _has_prompt_and_verifier(self) -> FieldMapping:
         if self.prompt is None and self.messages is None:
             raise ValueError("map prompt or messages to a source field")
         if not self.verifier:
@@ -235,9 +243,7 @@ PRESETS: dict[str, FieldMapping] = {
 }
 
 
-def resolve_mapping(
-    mapping: "FieldMapping | str | dict[str, Any] | None" = None, preset: str | None = None
-) -> FieldMapping:
+def resolve_mapping(mapping: FieldMapping | str | dict[str, Any] | None = None, preset: str | None = None) -> FieldMapping:
     """A mapping from a preset name, a :class:`FieldMapping`, or a dict of fields.
 
     A dict overrides the fields of a preset (its own ``preset`` key, else
@@ -591,7 +597,7 @@ class TaskLoader:
         self,
         path: str | Path,
         run_id: str,
-        mapping: "FieldMapping | str | dict[str, Any] | None" = None,
+        mapping: FieldMapping | str | dict[str, Any] | None = None,
         on_error: OnError = "fail",
         *,
         group_size: int | None = None,
@@ -639,8 +645,12 @@ class TaskLoader:
                 continue
             try:
                 task = build_task(
-                    raw.record, self.run_id, self.mapping,
-                    source=where, group_size=self.group_size, max_task_bytes=self.max_task_bytes,
+                    raw.record,
+                    self.run_id,
+                    self.mapping,
+                    source=where,
+                    group_size=self.group_size,
+                    max_task_bytes=self.max_task_bytes,
                 )
             except _FieldError as exc:
                 self._reject(RecordError(file, raw.line, raw.row, exc.field, exc.reason))
@@ -648,10 +658,15 @@ class TaskLoader:
             first = seen.get(task.task_id)
             if first is not None:
                 hashed = self.mapping.task_id is None or _get(raw.record, self.mapping.task_id) is _MISSING
-                self._reject(RecordError(
-                    file, raw.line, raw.row, "<record>" if hashed else self.mapping.task_id,
-                    f"duplicate task id {task.task_id!r} (first at {first})",
-                ))
+                self._reject(
+                    RecordError(
+                        file,
+                        raw.line,
+                        raw.row,
+                        "<record>" if hashed else self.mapping.task_id,
+                        f"duplicate task id {task.task_id!r} (first at {first})",
+                    )
+                )
                 continue
             seen[task.task_id] = where
             self.tasks += 1
@@ -661,7 +676,7 @@ class TaskLoader:
 def iter_tasks(
     path: str | Path,
     run_id: str,
-    mapping_or_preset: "FieldMapping | str | dict[str, Any] | None" = None,
+    mapping_or_preset: FieldMapping | str | dict[str, Any] | None = None,
     on_error: OnError = "fail",
     **kwargs: Any,
 ) -> TaskLoader:
@@ -683,7 +698,7 @@ class LoadResult:
 def load_tasks(
     path: str | Path,
     run_id: str,
-    mapping_or_preset: "FieldMapping | str | dict[str, Any] | None" = None,
+    mapping_or_preset: FieldMapping | str | dict[str, Any] | None = None,
     on_error: OnError = "fail",
     **kwargs: Any,
 ) -> LoadResult:

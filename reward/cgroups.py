@@ -154,4 +154,3 @@ class CgroupFactory:
                 Cgroup(self.version, [d]).remove()
                 removed += not d.exists()
         return removed
-

@@ -146,8 +146,13 @@ def _run_tests(ns, tests_src, style, filename):
                 if isinstance(node, ast.Assert):
                     outcomes.append((name, True, None))
             except BaseException:  # noqa: BLE001 - a failing test is a result
-                outcomes.append((name if isinstance(node, ast.Assert) else "set-up at line %d" % node.lineno, False,
-                                 _feedback_from(sys.exc_info())))
+                outcomes.append(
+                    (
+                        name if isinstance(node, ast.Assert) else "set-up at line %d" % node.lineno,
+                        False,
+                        _feedback_from(sys.exc_info()),
+                    )
+                )
                 if not isinstance(node, ast.Assert):
                     break
     else:
@@ -286,7 +291,7 @@ def _read_tests(tests_dir_fd, tests):
 def _write_all(fd, data):
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _serve_job(job, lim, bpf, tests_dir_fd, fds):
@@ -560,16 +565,32 @@ class _Job:
             verdict = "fail"
         else:
             verdict = "error"
-        return _result(verdict, exit_code, self.bufs[self.out_r].decode(errors="replace"), stderr,
-                       round(time.monotonic() - self.start, 4), peak_mb, feedback,
-                       None if tests is None else {"passed": sum(1 for t in tests if t[1]), "total": len(tests),
-                                                   "failed": [t[0] for t in tests if not t[1]][:20]})
+        return _result(
+            verdict,
+            exit_code,
+            self.bufs[self.out_r].decode(errors="replace"),
+            stderr,
+            round(time.monotonic() - self.start, 4),
+            peak_mb,
+            feedback,
+            None
+            if tests is None
+            else {"passed": sum(1 for t in tests if t[1]), "total": len(tests), "failed": [t[0] for t in tests if not t[1]][:20]},
+        )
 
 
 def _result(verdict, exit_code=None, stdout="", stderr="", duration_s=0.0, peak_memory_mb=None, feedback=None, tests=None):
     """One job's result, as the sandbox reads it back (every key, every time)."""
-    return {"verdict": verdict, "exit_code": exit_code, "stdout": stdout, "stderr": stderr, "duration_s": duration_s,
-            "peak_memory_mb": peak_memory_mb, "feedback": feedback, "tests": tests}
+    return {
+        "verdict": verdict,
+        "exit_code": exit_code,
+        "stdout": stdout,
+        "stderr": stderr,
+        "duration_s": duration_s,
+        "peak_memory_mb": peak_memory_mb,
+        "feedback": feedback,
+        "tests": tests,
+    }
 
 
 def _not_started(exc):

@@ -410,6 +410,3 @@ class Sandbox:
         with self._warm_lock:
             self._stop_warm()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-

@@ -162,7 +162,9 @@ class CeleryScorer:
                         p.resubmits += 1
                         p.status, p.since = None, now
                         self.resubmitted += 1
-                        log.warning("reward_task_resubmitted", task_id=rid, stuck_s=round(now - p.since, 1), resubmits=p.resubmits)
+                        log.warning(
+                            "reward_task_resubmitted", task_id=rid, stuck_s=round(now - p.since, 1), resubmits=p.resubmits
+                        )
                         self.task.apply_async(args=p.args, task_id=rid)
 
     def _metas(self, ids: list[str]) -> dict[str, dict]:
@@ -176,7 +178,7 @@ class CeleryScorer:
             out[rid] = {"status": r.state, "result": r.result}
         return out
 
-    def _finish(self, rid: str, p: "_Pending", verdict: Verdict) -> None:
+    def _finish(self, rid: str, p: _Pending, verdict: Verdict) -> None:
         with self._lock:
             self._pending.pop(rid, None)
         try:
@@ -213,6 +215,8 @@ def _verdict(rid: str, meta: dict) -> Verdict:
     value = meta.get("result")
     if meta.get("status") == states.SUCCESS and isinstance(value, dict):
         fb = value.get("feedback")
-        return Verdict(value["reward"], value["verdict"], msgspec.convert(fb, Feedback) if fb else None, value.get("details") or {})
+        return Verdict(
+            value["reward"], value["verdict"], msgspec.convert(fb, Feedback) if fb else None, value.get("details") or {}
+        )
     log.error("reward_task_failed", task_id=rid, status=meta.get("status"), error=repr(value)[:300])
     return Verdict(0.0, "infra", Feedback(message=f"reward task failed: {value!r}"[:500]))

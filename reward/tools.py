@@ -49,7 +49,10 @@ class Tool:
     parameters: dict[str, Any]  # JSON Schema of the arguments
 
     def spec(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     @cached_property
     def validator(self) -> Draft202012Validator:

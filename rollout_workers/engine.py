@@ -89,7 +89,7 @@ def check_weights(data: bytes, expected: dict[str, tuple[int, ...]], *, tied: se
 
     try:
         (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8 : 8 + n])
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise WeightsRejected(f"not a safetensors object: {exc}") from None
     got = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}

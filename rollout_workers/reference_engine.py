@@ -151,7 +151,5 @@ class ReferenceEngine(Tokenizing):
         stopped = is_stop.any(1).tolist()
         tokens = [token_rows[i][: lengths[i]] for i in range(batch)]
         logps = [logp_rows[i][: lengths[i]] for i in range(batch)]
-        completions = [
-            Completion(tokens[i], logps[i], "stop" if stopped[i] else "length", version) for i in range(batch)
-        ]
-        return [completions[k * n:(k + 1) * n] for k in range(len(prompts))]
+        completions = [Completion(tokens[i], logps[i], "stop" if stopped[i] else "length", version) for i in range(batch)]
+        return [completions[k * n : (k + 1) * n] for k in range(len(prompts))]

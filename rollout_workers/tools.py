@@ -53,7 +53,7 @@ def as_command(call: ToolCall) -> str:
     """A call as one shell command (what the net script replays)."""
     if call.name == "write_file":
         path, content = str(call.arguments.get("path", "")), str(call.arguments.get("content", ""))
-        return f"mkdir -p -- \"$(dirname -- {shlex.quote(path)})\" && printf %s {shlex.quote(content)} > {shlex.quote(path)}"
+        return f'mkdir -p -- "$(dirname -- {shlex.quote(path)})" && printf %s {shlex.quote(content)} > {shlex.quote(path)}'
     return str(call.arguments.get("command", ""))
 
 

@@ -52,8 +52,8 @@ from conveyor.contracts import (
     rollout_id,
 )
 from conveyor.errors import ChecksumMismatch
-from conveyor.metrics import process_rollout_metrics
 from conveyor.messaging import Publisher, ServiceClients, Subscriber
+from conveyor.metrics import process_rollout_metrics
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected
@@ -118,9 +118,11 @@ class RolloutWorker:
         await self.engine.start()
         async with ServiceClients(self.transport, self.topics.dead_letter, "rollout-worker", heartbeats=self.topics) as io:
             publisher: Publisher[Rollout] = io.publisher(self.topics.rollouts)
-            # Every worker sees every announcement, progress report and claim: groups of its own.
-            weights = await io.subscribe([self.topics.weights], f"rw-weights-{self.worker_id}", WeightsAnnouncement)
-            progress = await io.subscribe([self.topics.progress], f"rw-progress-{self.worker_id}", LearnerProgress)
+            # Every worker reads every announcement, progress report and claim: readers in no group
+            # (the topics are created here if this worker starts before the producer and the learner).
+            await io.transport.create_topics(self.topics.shared_specs())
+            weights = await io.subscribe([self.topics.weights], None, WeightsAnnouncement)
+            progress = await io.subscribe([self.topics.progress], None, LearnerProgress)
             self.ledger = await AdmissionLedger.open(io, self.topics, f"rw-{self.worker_id}")
             await self._catch_up(weights, progress)
             tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
@@ -133,7 +135,9 @@ class RolloutWorker:
                     await self.ledger.follow()
                     room = self.max_inflight_tasks - len(running) - len(waiting)
                     if room > 0:
-                        polled = [[d, None] for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)]
+                        polled = [
+                            [d, None] for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)
+                        ]
                         if polled:
                             await self.ledger.claim([(_key(d.message), d.message.group_size) for d, _ in polled])
                         waiting += polled

@@ -53,6 +53,7 @@ from conveyor.contracts import (
 )
 from storage.objectstore import ObjectNotFound, ObjectStore, sha256_hex
 
+
 def _required_list(value_type: pa.DataType) -> pa.DataType:
     """A list column that is never null and holds no nulls: Parquet stores it with one
     definition level instead of three, which reads a fifth faster (docs/BENCHMARKS.md)."""

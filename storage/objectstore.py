@@ -233,7 +233,7 @@ class S3ObjectStore:
     S3-compatible servers reject the CRC trailers newer boto3 sends by default.
     """
 
-    def __init__(self, cfg: "S3StoreConfig") -> None:
+    def __init__(self, cfg: S3StoreConfig) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -372,7 +372,9 @@ class S3ObjectStore:
     def get_file(self, key: str, path: str | Path) -> ObjectInfo:
         info = self.head(key)
         try:
-            self._call(self._client.download_file, Bucket=self.bucket, Key=self._key(key), Filename=str(path), Config=self._transfer)
+            self._call(
+                self._client.download_file, Bucket=self.bucket, Key=self._key(key), Filename=str(path), Config=self._transfer
+            )
         except Exception as exc:
             if self._not_found(exc):
                 raise ObjectNotFound(f"no object {self.uri(key)}") from None
@@ -411,10 +413,10 @@ class S3ObjectStore:
         for page in self._call(paginator.paginate, Bucket=self.bucket, Prefix=full_prefix):
             for obj in page.get("Contents", []):
                 # ListObjects carries no user metadata; sha256 needs a head().
-                yield ObjectInfo(obj["Key"][len(self.prefix):], obj["Size"], None)
+                yield ObjectInfo(obj["Key"][len(self.prefix) :], obj["Size"], None)
 
 
-def open_object_store(cfg: "LocalStoreConfig | S3StoreConfig") -> ObjectStore:
+def open_object_store(cfg: LocalStoreConfig | S3StoreConfig) -> ObjectStore:
     if cfg.type == "local":
         return LocalObjectStore(cfg.root)
     if cfg.type == "s3":
@@ -422,7 +424,7 @@ def open_object_store(cfg: "LocalStoreConfig | S3StoreConfig") -> ObjectStore:
     raise ValueError(f"unknown object store type {cfg.type!r}")
 
 
-async def wait_for_object_store(cfg: "LocalStoreConfig | S3StoreConfig", *, first_delay_s: float = 0.5,
+async def wait_for_object_store(cfg: LocalStoreConfig | S3StoreConfig, *, first_delay_s: float = 0.5,
                                 max_delay_s: float = 5.0) -> ObjectStore:  # fmt: skip
     """``open_object_store`` for a service starting up: while the endpoint is unavailable, retry
     with backoff until ``cfg.connect_deadline_s`` (S3; a local store opens at once), then raise

@@ -113,5 +113,3 @@ class ReplaySource:
 
     async def close(self) -> None:
         pass
-
-

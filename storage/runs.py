@@ -1,10 +1,10 @@
 """Run metadata in the object store, so a run can be inspected after the fact.
 
-    runs/<run>/meta/run.json        config, code commit, host, start time (written at start)
-    runs/<run>/meta/summary.json    end figures (written at the end)
-    runs/<run>/meta/<file>          metrics.jsonl, eval.jsonl, report.png, ...
-    runs/<run>/lake/...             trajectories (storage/lake.py)
-    runs/<run>/weights/v<N>/...     policy versions (the learner)
+runs/<run>/meta/run.json        config, code commit, host, start time (written at start)
+runs/<run>/meta/summary.json    end figures (written at the end)
+runs/<run>/meta/<file>          metrics.jsonl, eval.jsonl, report.png, ...
+runs/<run>/lake/...             trajectories (storage/lake.py)
+runs/<run>/weights/v<N>/...     policy versions (the learner)
 """
 
 from __future__ import annotations
@@ -81,9 +81,7 @@ def show_run(store: ObjectStore, run_id: str) -> dict:
         except (ObjectNotFound, ValueError):
             return None
 
-    weights = sorted(
-        {int(i.key.split("/weights/v", 1)[1].split("/", 1)[0]) for i in store.list(f"runs/{run_id}/weights/")}
-    )
+    weights = sorted({int(i.key.split("/weights/v", 1)[1].split("/", 1)[0]) for i in store.list(f"runs/{run_id}/weights/")})
     meta_files = sorted(i.key.rsplit("/", 1)[1] for i in store.list(f"runs/{run_id}/meta/"))
     return {
         "run_id": run_id,

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import yaml
-
 from conftest import service_unavailable
 
 

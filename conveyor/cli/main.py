@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -77,8 +76,10 @@ def config_validate(
         cfg = load_run_config(file)
     except ConfigError as exc:
         fail(str(exc), exc.exit_code)
-    typer.echo(f"{file}: ok (run {cfg.run_id}, transport {cfg.transport.type}, object store {cfg.object_store.type}, "
-               f"celery {cfg.celery.type})")
+    typer.echo(
+        f"{file}: ok (run {cfg.run_id}, transport {cfg.transport.type}, object store {cfg.object_store.type}, "
+        f"celery {cfg.celery.type})"
+    )
     if show:
         import yaml
 
@@ -100,27 +101,62 @@ def demo(
     engine: str = typer.Option(DemoConfig.engine, help="reference | vllm"),
     sync: bool = typer.Option(False, "--sync", help="Lock step: generate, then score, then train (max_lag 0)."),
     budget: float = typer.Option(DemoConfig.rl_budget_s, help="Seconds of RL after the warm-up."),
-    max_steps: Optional[int] = typer.Option(None, help="Stop after this many learner steps."),
+    max_steps: int | None = typer.Option(None, help="Stop after this many learner steps."),
     warmup_steps: int = typer.Option(DemoConfig.warmup_steps, help="Supervised warm-up steps."),
-    warmup_noise: float = typer.Option(DemoConfig.warmup_noise, help="How often the warm-up teacher is wrong on the expressions it confuses."),
+    warmup_noise: float = typer.Option(
+        DemoConfig.warmup_noise, help="How often the warm-up teacher is wrong on the expressions it confuses."
+    ),
     max_lag: int = typer.Option(DemoConfig.max_lag, help="Policy versions a sample may lag the learner."),
-    engine_process: bool = typer.Option(DemoConfig.engine_process, "--engine-process/--engine-in-process", help="Sample in a child process (no GIL shared with the learner and the services)."),
-    learner_process: bool = typer.Option(DemoConfig.learner_process, "--learner-process/--learner-in-process", help="Run the learner's optimizer steps in a child process."),
-    objective: str = typer.Option(DemoConfig.objective, help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"),
-    entropy_coef: float = typer.Option(DemoConfig.entropy_coef, help="Weight of the policy's entropy as a bonus in the objective."),
-    kl_coef: float = typer.Option(DemoConfig.kl_coef, help="Weight of a KL penalty toward the warmed-up model (k3 estimator; 0: none)."),
-    updates_per_batch: int = typer.Option(DemoConfig.updates_per_batch, help="Optimizer updates on each step's batch (PPO epochs)."),
-    target: Optional[float] = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
-    eval_every: float = typer.Option(DemoConfig.eval_every_s, help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end)."),
+    engine_process: bool = typer.Option(
+        DemoConfig.engine_process,
+        "--engine-process/--engine-in-process",
+        help="Sample in a child process (no GIL shared with the learner and the services).",
+    ),
+    learner_process: bool = typer.Option(
+        DemoConfig.learner_process,
+        "--learner-process/--learner-in-process",
+        help="Run the learner's optimizer steps in a child process.",
+    ),
+    objective: str = typer.Option(
+        DemoConfig.objective, help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"
+    ),
+    entropy_coef: float = typer.Option(
+        DemoConfig.entropy_coef, help="Weight of the policy's entropy as a bonus in the objective."
+    ),
+    kl_coef: float = typer.Option(
+        DemoConfig.kl_coef, help="Weight of a KL penalty toward the warmed-up model (k3 estimator; 0: none)."
+    ),
+    updates_per_batch: int = typer.Option(
+        DemoConfig.updates_per_batch, help="Optimizer updates on each step's batch (PPO epochs)."
+    ),
+    target: float | None = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
+    eval_every: float = typer.Option(
+        DemoConfig.eval_every_s,
+        help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end).",
+    ),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
     """Run the whole pipeline on this machine (the services in one process) and watch a policy learn."""
     from conveyor.demo import make_display, run_demo
 
     cfg = DemoConfig(
-        seed=seed, engine=engine, sync=sync, rl_budget_s=budget, max_steps=max_steps, warmup_steps=warmup_steps,
+        seed=seed,
+        engine=engine,
+        sync=sync,
+        rl_budget_s=budget,
+        max_steps=max_steps,
+        warmup_steps=warmup_steps,
         warmup_noise=warmup_noise,
-        max_lag=max_lag, objective=objective, entropy_coef=entropy_coef, kl_coef=kl_coef, updates_per_batch=updates_per_batch, engine_process=engine_process, learner_process=learner_process, target_pass_rate=target, eval_every_s=eval_every, out_dir=out,
+        max_lag=max_lag,
+        objective=objective,
+        entropy_coef=entropy_coef,
+        kl_coef=kl_coef,
+        updates_per_batch=updates_per_batch,
+        engine_process=engine_process,
+        learner_process=learner_process,
+        target_pass_rate=target,
+        eval_every_s=eval_every,
+        out_dir=out,
     )
     display = make_display(sys.stderr.isatty())
     try:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,9 +13,14 @@ import typer
 def run(
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Run config (YAML)."),
     stack: str = typer.Option("local", "--stack", help="local: start (or reuse) the local stack and point the run at it."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="The local stack's directory [default .conveyor/stack]."),
-    model: Optional[Path] = typer.Option(None, "--model", exists=True, file_okay=False,
-                                         help="Initial policy (HF directory); default: the demo's tiny model, warmed up."),  # fmt: skip
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="The local stack's directory [default .conveyor/stack]."),
+    model: Path | None = typer.Option(
+        None,
+        "--model",
+        exists=True,
+        file_okay=False,
+        help="Initial policy (HF directory); default: the demo's tiny model, warmed up.",
+    ),  # fmt: skip
     rollout_workers: int = typer.Option(1, min=1),
     reward_workers: int = typer.Option(1, min=1),
     budget: float = typer.Option(120.0, help="Seconds to run before draining (0: until Ctrl-C)."),
@@ -37,7 +41,7 @@ def run(
         cfg = load_run_config(config)
     except ConfigError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     st = Stack(state_dir)
     running = {n: c for n, c in st.read_state().items() if pid_alive(c.pid)}
     if not {"kafka", "s3", "redis"} <= running.keys():
@@ -45,7 +49,7 @@ def run(
             st.up(["kafka", "s3", "redis"], timeout_s=90)
         except StackError as exc:
             typer.secho(str(exc), fg=typer.colors.RED, err=True)
-            raise typer.Exit(getattr(exc, "exit_code", 1))
+            raise typer.Exit(getattr(exc, "exit_code", 1)) from None
     run_dir = (out / cfg.run_id).resolve()
     path = write_run_config(run_dir, resolve_for_stack(cfg, st.endpoints()))
     model_dir = model or _default_model(run_dir / "model", warmup_steps)
@@ -88,7 +92,7 @@ def _default_model(model_dir: Path, warmup_steps: int) -> Path:
 
 def status(
     run_id: str = typer.Argument(..., help="Run id (its config is runs/<run>/run.yaml unless --config)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", exists=True, dir_okay=False),
+    config: Path | None = typer.Option(None, "--config", "-c", exists=True, dir_okay=False),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
     """Per-topic consumer lag, workers alive, policy version, throughput and the lake of a run."""

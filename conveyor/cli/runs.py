@@ -6,16 +6,17 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 app = typer.Typer(help="Runs kept in the object store: list them, show one.", no_args_is_help=True)
 CONFIG = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="Run config naming the object store.")
-STORE = typer.Option(Path("runs/objects"), "--store", help="A local object-store directory (when no --config); the demo's default.")
+STORE = typer.Option(
+    Path("runs/objects"), "--store", help="A local object-store directory (when no --config); the demo's default."
+)
 
 
-def open_store(config: Optional[Path], store: Path):
+def open_store(config: Path | None, store: Path):
     from storage.objectstore import LocalObjectStore, open_object_store
 
     if config is not None:
@@ -26,15 +27,17 @@ def open_store(config: Optional[Path], store: Path):
             return open_object_store(load_run_config(config).object_store)
         except ConfigError as exc:
             typer.secho(str(exc), fg=typer.colors.RED, err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
     if not store.is_dir():
-        typer.secho(f"no object store at {store} (run `conveyor demo` first, or pass --config/--store)", fg=typer.colors.RED, err=True)
+        typer.secho(
+            f"no object store at {store} (run `conveyor demo` first, or pass --config/--store)", fg=typer.colors.RED, err=True
+        )
         raise typer.Exit(2)
     return LocalObjectStore(store)
 
 
 @app.command("list")
-def list_(config: Optional[Path] = CONFIG, store: Path = STORE, as_json: bool = typer.Option(False, "--json")) -> None:
+def list_(config: Path | None = CONFIG, store: Path = STORE, as_json: bool = typer.Option(False, "--json")) -> None:
     """Every run with objects in the store."""
     from storage.runs import list_runs
 
@@ -49,7 +52,7 @@ def list_(config: Optional[Path] = CONFIG, store: Path = STORE, as_json: bool = 
 
 
 @app.command("show")
-def show(run: str = typer.Argument(...), config: Optional[Path] = CONFIG, store: Path = STORE) -> None:
+def show(run: str = typer.Argument(...), config: Path | None = CONFIG, store: Path = STORE) -> None:
     """A run's metadata, end figures, lake statistics and weight versions (JSON)."""
     from storage.runs import show_run
 
@@ -58,18 +61,18 @@ def show(run: str = typer.Argument(...), config: Optional[Path] = CONFIG, store:
 
 def replay(
     run: str = typer.Argument(..., help="Run id."),
-    to_topic: Optional[str] = typer.Option(None, "--to-topic", help="Re-publish to this topic (transport from --config)."),
-    rate: Optional[float] = typer.Option(None, "--rate", min=0.001, help="At most this many rollouts per second."),
-    export: Optional[str] = typer.Option(None, "--export", help="jsonl | parquet"),
-    out: Optional[Path] = typer.Option(None, "--out", help="File to export to."),
-    version_min: Optional[int] = typer.Option(None, "--version-min"),
-    version_max: Optional[int] = typer.Option(None, "--version-max"),
-    reward_min: Optional[float] = typer.Option(None, "--reward-min"),
-    reward_max: Optional[float] = typer.Option(None, "--reward-max"),
-    verdict: Optional[list[str]] = typer.Option(None, "--verdict", help="Repeatable: pass, fail, error, ..."),
-    since: Optional[float] = typer.Option(None, "--since", help="Scored at or after (unix seconds)."),
-    until: Optional[float] = typer.Option(None, "--until", help="Scored at or before (unix seconds)."),
-    config: Optional[Path] = CONFIG,
+    to_topic: str | None = typer.Option(None, "--to-topic", help="Re-publish to this topic (transport from --config)."),
+    rate: float | None = typer.Option(None, "--rate", min=0.001, help="At most this many rollouts per second."),
+    export: str | None = typer.Option(None, "--export", help="jsonl | parquet"),
+    out: Path | None = typer.Option(None, "--out", help="File to export to."),
+    version_min: int | None = typer.Option(None, "--version-min"),
+    version_max: int | None = typer.Option(None, "--version-max"),
+    reward_min: float | None = typer.Option(None, "--reward-min"),
+    reward_max: float | None = typer.Option(None, "--reward-max"),
+    verdict: list[str] | None = typer.Option(None, "--verdict", help="Repeatable: pass, fail, error, ..."),
+    since: float | None = typer.Option(None, "--since", help="Scored at or after (unix seconds)."),
+    until: float | None = typer.Option(None, "--until", help="Scored at or before (unix seconds)."),
+    config: Path | None = CONFIG,
     store: Path = STORE,
 ) -> None:
     """Replay a run's trajectories from the lake, in a deterministic order, to a topic or a file."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ def exec_(
     file: Path = typer.Argument(..., exists=True, dir_okay=False, help="A Python file to run."),
     timeout: float = typer.Option(2.0, "--timeout", min=0.01, help="Wall-clock limit, seconds."),
     memory_mb: int = typer.Option(256, "--memory-mb", min=16, help="Address-space limit, MB."),
-    workspace: Optional[Path] = typer.Option(
+    workspace: Path | None = typer.Option(
         None, "--workspace", exists=True, file_okay=False, help="A directory to run in (mounted as an overlay: never written)."
     ),
     cgroups: str = typer.Option("auto", "--cgroups", help="auto | required | off"),
@@ -34,7 +33,7 @@ def exec_(
         sandbox = Sandbox(SandboxLimits(timeout_s=timeout, memory_mb=memory_mb), parallel=1, cgroups_mode=cgroups)  # type: ignore[arg-type]
     except SandboxUnavailable as exc:
         typer.secho(f"sandbox unavailable: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(3)
+        raise typer.Exit(3) from None
     try:
         ws = Workspace(workspace) if workspace else None
         try:

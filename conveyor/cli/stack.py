@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 app = typer.Typer(help="Start, check and stop the local stack (Kafka-protocol broker, S3, Redis).", no_args_is_help=True)
 
-STATE_DIR = typer.Option(None, "--state-dir", help="Where state, data and logs live [env CONVEYOR_STACK_DIR; default .conveyor/stack].")
+STATE_DIR = typer.Option(
+    None, "--state-dir", help="Where state, data and logs live [env CONVEYOR_STACK_DIR; default .conveyor/stack]."
+)
 
 
-def _stack(state_dir: Optional[Path], base_port: Optional[int] = None):
+def _stack(state_dir: Path | None, base_port: int | None = None):
     from conveyor.stack.manager import Stack, StackPorts
 
     ports = StackPorts.from_base(base_port) if base_port else StackPorts()
@@ -27,15 +28,15 @@ def _fail(exc: Exception) -> None:
 
 @app.command()
 def up(
-    state_dir: Optional[Path] = STATE_DIR,
+    state_dir: Path | None = STATE_DIR,
     only: str = typer.Option("kafka,s3,redis", help="Comma-separated components to start."),
-    base_port: Optional[int] = typer.Option(
+    base_port: int | None = typer.Option(
         None, help="Use ten consecutive ports from here instead of the defaults (kafka 19092, s3 18333, redis 16379)."
     ),
     timeout: float = typer.Option(60.0, help="Seconds to wait for every health check."),
 ) -> None:
     """Start the components and wait until each answers a real request."""
-    from conveyor.stack.components import BinaryMissing, LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
+    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY, BinaryMissing
     from conveyor.stack.manager import StackError, ephemeral_port_range, in_ephemeral_range
 
     stack = _stack(state_dir, base_port)
@@ -70,7 +71,7 @@ def up(
 
 @app.command()
 def status(
-    state_dir: Optional[Path] = STATE_DIR,
+    state_dir: Path | None = STATE_DIR,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Show each component's pid, endpoint and health. Exit 0 only if all are healthy."""
@@ -95,7 +96,7 @@ def status(
 
 @app.command()
 def down(
-    state_dir: Optional[Path] = STATE_DIR,
+    state_dir: Path | None = STATE_DIR,
     grace: float = typer.Option(10.0, help="Seconds between SIGTERM and SIGKILL."),
 ) -> None:
     """Stop every component: SIGTERM, wait, then SIGKILL."""

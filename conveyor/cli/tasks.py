@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -37,7 +37,7 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-def _mapping(preset: Optional[str], mapping: Optional[Path]) -> "FieldMapping":
+def _mapping(preset: str | None, mapping: Path | None) -> FieldMapping:
     from conveyor.errors import ConfigError
     from producers.loaders import load_mapping, resolve_mapping
 
@@ -51,8 +51,8 @@ def _mapping(preset: Optional[str], mapping: Optional[Path]) -> "FieldMapping":
 @app.command("validate")
 def validate(
     file: Path = FILE,
-    preset: Optional[str] = PRESET,
-    mapping: Optional[Path] = MAPPING,
+    preset: str | None = PRESET,
+    mapping: Path | None = MAPPING,
     run: str = typer.Option("validate", "--run", help="Run id the tasks would carry."),
 ) -> None:
     """Check a task file without publishing: every bad record is named, exit 1 if any."""
@@ -84,10 +84,10 @@ class SubmitReport:
     topic: str
     published: int = 0
     records: int = 0
-    rejected: list["RecordError"] = field(default_factory=list)
+    rejected: list[RecordError] = field(default_factory=list)
 
 
-async def publish_tasks(transport: "Transport", run_id: str, tasks: "list[Task]", partitions: int) -> tuple[str, int]:
+async def publish_tasks(transport: Transport, run_id: str, tasks: list[Task], partitions: int) -> tuple[str, int]:
     """Create the run's topics, publish ``tasks`` keyed by task id, wait for every ack.
 
     Returns (tasks topic, tasks acknowledged); raises if the broker refused any.
@@ -113,7 +113,7 @@ async def publish_tasks(transport: "Transport", run_id: str, tasks: "list[Task]"
     return topics.tasks, len(results)
 
 
-def _transport_for(cfg: "RunConfig") -> "Transport":
+def _transport_for(cfg: RunConfig) -> Transport:
     """The transport a config names; a memory transport would vanish with this process."""
     from conveyor.errors import ConfigError
     from conveyor.transport import open_transport
@@ -128,14 +128,14 @@ def _transport_for(cfg: "RunConfig") -> "Transport":
 
 def submit_file(
     file: Path,
-    run: Optional[str] = None,
-    config: "Path | RunConfig | None" = None,
-    preset: Optional[str] = None,
-    mapping: "Path | FieldMapping | None" = None,
+    run: str | None = None,
+    config: Path | RunConfig | None = None,
+    preset: str | None = None,
+    mapping: Path | FieldMapping | None = None,
     on_error: str = "fail",
-    group_size: Optional[int] = None,
+    group_size: int | None = None,
     *,
-    transport: "Transport | None" = None,
+    transport: Transport | None = None,
 ) -> SubmitReport:
     """Load ``file`` and publish its tasks to ``run``'s tasks topic; the library form of ``submit``.
 
@@ -161,8 +161,12 @@ def submit_file(
     # A task the broker would refuse is a rejected record, not a failed submit halfway through.
     limit = getattr(cfg.transport, "max_request_bytes", None)
     loader = TaskLoader(
-        file, run_id, fmap, on_error,  # type: ignore[arg-type]
-        group_size=group_size, max_task_bytes=limit - (64 << 10) if limit else None,
+        file,
+        run_id,
+        fmap,
+        on_error,  # type: ignore[arg-type]
+        group_size=group_size,
+        max_task_bytes=limit - (64 << 10) if limit else None,
     )
     tasks = list(loader)  # everything is checked before anything is published
     report = SubmitReport(topic="", records=loader.records, rejected=loader.errors)
@@ -183,12 +187,18 @@ def submit_file(
 @app.command("submit")
 def submit(
     file: Path = FILE,
-    run: Optional[str] = typer.Option(None, "--run", help="Run id (default: the config's run_id)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="Run config naming the transport."),
-    preset: Optional[str] = PRESET,
-    mapping: Optional[Path] = MAPPING,
-    on_error: str = typer.Option("fail", "--on-error", help="fail: stop at the first bad record, publish nothing; skip: publish the good ones."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", min=1, help="Samples per task, for every task (overrides the file's)."),
+    run: str | None = typer.Option(None, "--run", help="Run id (default: the config's run_id)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", exists=True, dir_okay=False, help="Run config naming the transport."
+    ),
+    preset: str | None = PRESET,
+    mapping: Path | None = MAPPING,
+    on_error: str = typer.Option(
+        "fail", "--on-error", help="fail: stop at the first bad record, publish nothing; skip: publish the good ones."
+    ),
+    group_size: int | None = typer.Option(
+        None, "--group-size", min=1, help="Samples per task, for every task (overrides the file's)."
+    ),
 ) -> None:
     """Publish every task of a file to a run's tasks topic and wait for the broker's acks."""
     from conveyor.errors import ConfigError, ConveyorError
@@ -212,6 +222,8 @@ def submit(
         typer.echo(f"rejected {err}")
     if len(report.rejected) > MAX_ERROR_LINES:
         typer.echo(f"... and {len(report.rejected) - MAX_ERROR_LINES} more (conveyor tasks validate {file} lists them all)")
-    typer.echo(f"published {report.published} tasks to {report.topic}; rejected {len(report.rejected)} of {report.records} records")
+    typer.echo(
+        f"published {report.published} tasks to {report.topic}; rejected {len(report.rejected)} of {report.records} records"
+    )
     if report.published == 0:
         raise typer.Exit(1)

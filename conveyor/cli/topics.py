@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,7 +13,7 @@ BOOTSTRAP = typer.Option(None, "--bootstrap", help="host:port of the broker.")
 CONFIG = typer.Option(None, "--config", help="Take the broker from this run config.")
 
 
-def resolve_bootstrap(bootstrap: Optional[str], config: Optional[Path], state_dir: Optional[Path] = None) -> str:
+def resolve_bootstrap(bootstrap: str | None, config: Path | None, state_dir: Path | None = None) -> str:
     """--bootstrap, else the config's Kafka transport, else the local stack's broker."""
     if bootstrap:
         return bootstrap
@@ -41,7 +40,7 @@ def _transport(bootstrap: str):
 
 
 @app.command("list")
-def list_topics(bootstrap: Optional[str] = BOOTSTRAP, config: Optional[Path] = CONFIG) -> None:
+def list_topics(bootstrap: str | None = BOOTSTRAP, config: Path | None = CONFIG) -> None:
     """List the topics on the broker."""
     import asyncio
 
@@ -52,7 +51,7 @@ def list_topics(bootstrap: Optional[str] = BOOTSTRAP, config: Optional[Path] = C
         names = asyncio.run(_transport(server).list_topics())
     except ConveyorError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
-        raise typer.Exit(exc.exit_code)
+        raise typer.Exit(exc.exit_code) from None
     for name in names:
         typer.echo(name)
 
@@ -60,11 +59,11 @@ def list_topics(bootstrap: Optional[str] = BOOTSTRAP, config: Optional[Path] = C
 @app.command()
 def tail(
     topic: str = typer.Argument(..., help="Full topic name, e.g. conveyor.demo.rollouts"),
-    bootstrap: Optional[str] = BOOTSTRAP,
-    config: Optional[Path] = CONFIG,
+    bootstrap: str | None = BOOTSTRAP,
+    config: Path | None = CONFIG,
     from_beginning: bool = typer.Option(True, "--from-beginning/--new", help="Start at the oldest record or only show new ones."),
-    limit: Optional[int] = typer.Option(None, "--limit", "-n", help="Stop after this many records."),
-    idle_timeout: Optional[float] = typer.Option(None, "--idle-timeout", help="Stop after this many seconds without a record."),
+    limit: int | None = typer.Option(None, "--limit", "-n", help="Stop after this many records."),
+    idle_timeout: float | None = typer.Option(None, "--idle-timeout", help="Stop after this many seconds without a record."),
 ) -> None:
     """Print records as JSON lines, decoded by the topic's message type.
 
@@ -96,7 +95,11 @@ def tail(
                     continue
                 last = time.monotonic()
                 for r in records:
-                    head = {"partition": r.partition, "offset": r.offset, "key": r.key.decode(errors="replace") if r.key else None}
+                    head = {
+                        "partition": r.partition,
+                        "offset": r.offset,
+                        "key": r.key.decode(errors="replace") if r.key else None,
+                    }
                     try:
                         msg = decode(r.value, msg_type) if msg_type else decode_any(r.value)
                         head["value"] = to_builtins(msg)
@@ -114,6 +117,6 @@ def tail(
         asyncio.run(run())
     except ConveyorError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
-        raise typer.Exit(exc.exit_code)
+        raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         pass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -40,7 +39,7 @@ def rft(
     epochs: int = typer.Option(2, min=1),
     batch_size: int = typer.Option(32, min=1),
     lr: float = typer.Option(1e-4, min=0.0),
-    config: Optional[Path] = CONFIG,
+    config: Path | None = CONFIG,
     store: Path = STORE,
 ) -> None:
     """Rejection-sampling SFT: train on the run's passing trajectories."""
@@ -62,7 +61,7 @@ def dpo(
     lr: float = typer.Option(5e-5, min=0.0),
     beta: float = typer.Option(0.1, min=0.0),
     pairs_per_group: int = typer.Option(4, min=1),
-    config: Optional[Path] = CONFIG,
+    config: Path | None = CONFIG,
     store: Path = STORE,
 ) -> None:
     """DPO on pairs built inside groups (higher reward chosen, lower rejected)."""

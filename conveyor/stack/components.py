@@ -129,7 +129,7 @@ class StackPorts:
     s3_grpc: int = 18334
 
     @classmethod
-    def from_base(cls, base: int) -> "StackPorts":
+    def from_base(cls, base: int) -> StackPorts:
         """Ten consecutive ports starting at ``base`` (tests use a free range)."""
         return cls(*(base + i for i in range(10)))
 

@@ -301,9 +301,7 @@ class Stack:
         last_error = "no attempt"
         while time.monotonic() < deadline:
             if not pid_alive(comp.pid):
-                raise ExitedDuringStartup(
-                    f"{comp.name} exited during start-up; last lines of {comp.log}:\n{_tail(comp.log)}"
-                )
+                raise ExitedDuringStartup(f"{comp.name} exited during start-up; last lines of {comp.log}:\n{_tail(comp.log)}")
             try:
                 check(comp.endpoint, timeout_s=2.0)
                 return

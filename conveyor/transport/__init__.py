@@ -32,9 +32,7 @@ __all__ = [
 ]
 
 
-def open_transport(
-    cfg: "MemoryTransportConfig | KafkaTransportConfig", *, memory_broker: "MemoryBroker | None" = None
-) -> Transport:
+def open_transport(cfg: MemoryTransportConfig | KafkaTransportConfig, *, memory_broker: MemoryBroker | None = None) -> Transport:
     """The transport a config names. Embedded roles share one ``memory_broker``."""
     if cfg.type == "memory":
         from conveyor.transport.memory import MemoryTransport

@@ -132,14 +132,19 @@ class Transport(Protocol):
     def consumer(
         self,
         topics: Sequence[str],
-        group_id: str,
+        group_id: str | None,
         *,
         from_beginning: bool = True,
         on_assigned: RebalanceCallback | None = None,
         on_revoked: RebalanceCallback | None = None,
     ) -> Consumer:
         """A consumer in ``group_id``. With no committed offset it starts at the
-        beginning (``from_beginning``) or at the end of each partition."""
+        beginning (``from_beginning``) or at the end of each partition.
+
+        ``group_id`` None: a *reader*, in no group, assigned every partition of the
+        topics (which must exist), never committing: what every instance reads whole
+        (weights announcements, progress reports, the admission ledger). It joins no
+        group, so it costs the broker's coordinator nothing and is never rebalanced."""
         ...
 
     async def close(self) -> None: ...

@@ -26,7 +26,7 @@ import structlog
 
 from conveyor.errors import TransportUnavailable
 from conveyor.runtime import retry_until
-from conveyor.transport.base import CommitFailed, Record, RebalanceCallback, SendResult, TopicPartition, TopicSpec
+from conveyor.transport.base import CommitFailed, RebalanceCallback, Record, SendResult, TopicPartition, TopicSpec
 
 if TYPE_CHECKING:
     from conveyor.config import KafkaTransportConfig
@@ -52,7 +52,7 @@ async def _retry(what: str, fn, deadline_s: float, *, first_delay: float = 0.1, 
 
 
 class KafkaProducer:
-    def __init__(self, cfg: "KafkaTransportConfig") -> None:
+    def __init__(self, cfg: KafkaTransportConfig) -> None:
         self.cfg = cfg
         self._producer: Any = None
         self._in_flight_bytes = 0
@@ -130,9 +130,7 @@ class KafkaProducer:
         self._in_flight_bytes -= size
         self._space.set()
 
-    async def _resend(
-        self, outer: asyncio.Future, exc: BaseException, size: int, topic: str, value: bytes, key, hdrs
-    ) -> None:
+    async def _resend(self, outer: asyncio.Future, exc: BaseException, size: int, topic: str, value: bytes, key, hdrs) -> None:
         from aiokafka.errors import KafkaError
 
         try:
@@ -169,7 +167,7 @@ class KafkaProducer:
 
 
 class _Listener:
-    def __init__(self, consumer: "KafkaConsumer") -> None:
+    def __init__(self, consumer: KafkaConsumer) -> None:
         self._consumer = consumer
 
     async def on_partitions_revoked(self, revoked) -> None:
@@ -188,9 +186,9 @@ class _Listener:
 class KafkaConsumer:
     def __init__(
         self,
-        cfg: "KafkaTransportConfig",
+        cfg: KafkaTransportConfig,
         topics: Sequence[str],
-        group_id: str,
+        group_id: str | None,
         from_beginning: bool,
         on_assigned: RebalanceCallback | None,
         on_revoked: RebalanceCallback | None,
@@ -230,15 +228,39 @@ class KafkaConsumer:
                 fetch_max_bytes=max(self.cfg.max_request_bytes, 52428800),
                 max_partition_fetch_bytes=self.cfg.max_request_bytes,
             )
-            consumer.subscribe(self.topics, listener=Listener())
+            if self.group_id is not None:
+                consumer.subscribe(self.topics, listener=Listener())
             try:
                 await consumer.start()
+                if self.group_id is None:
+                    await self._assign_all(consumer)
             except BaseException:
                 await consumer.stop()
                 raise
             return consumer
 
         self._consumer = await _retry("consumer.start", attempt, self.cfg.connect_deadline_s)
+        if self.group_id is None and self._on_assigned:
+            await self._on_assigned(self.assignment())
+
+    async def _assign_all(self, consumer) -> None:
+        """A reader: every partition of its topics, from the beginning (or the end)."""
+        from aiokafka import TopicPartition as KTP
+
+        tps = []
+        for topic in self.topics:
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                await consumer.topics()  # a metadata request for every topic
+                parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                raise RuntimeError(f"topic {topic} does not exist (yet): a reader needs it created first")
+            tps += [KTP(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        if self._from_beginning:
+            await consumer.seek_to_beginning(*tps)
+        else:
+            await consumer.seek_to_end(*tps)
 
     async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
         batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=max_records)
@@ -267,6 +289,8 @@ class KafkaConsumer:
             offsets = dict(self._fetched)
         if not offsets:
             return
+        if self.group_id is None:
+            raise ValueError("a reader (no group) has nothing to commit to")
         from aiokafka.errors import CommitFailedError, IllegalStateError
 
         try:
@@ -277,6 +301,8 @@ class KafkaConsumer:
     async def committed(self, tp: TopicPartition) -> int | None:
         from aiokafka import TopicPartition as KTP
 
+        if self.group_id is None:
+            return None
         return await self._consumer.committed(KTP(tp.topic, tp.partition))
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
@@ -308,7 +334,7 @@ class KafkaConsumer:
 
 
 class KafkaTransport:
-    def __init__(self, cfg: "KafkaTransportConfig") -> None:
+    def __init__(self, cfg: KafkaTransportConfig) -> None:
         self.cfg = cfg
 
     async def _admin(self):
@@ -365,7 +391,7 @@ class KafkaTransport:
     def consumer(
         self,
         topics: Sequence[str],
-        group_id: str,
+        group_id: str | None,
         *,
         from_beginning: bool = True,
         on_assigned: RebalanceCallback | None = None,

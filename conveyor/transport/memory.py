@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Sequence
 
 from conveyor.transport.base import (
     CommitFailed,
-    Record,
     RebalanceCallback,
+    Record,
     SendResult,
     TopicPartition,
     TopicSpec,
@@ -144,9 +144,20 @@ class MemoryConsumer:
         return self.member_id
 
     async def start(self) -> None:
+        self._started = True
+        if self.group_id is None:  # a reader: every partition, no group, nothing committed
+            for topic in self.topics:
+                if topic not in self._broker.topics:
+                    self._broker.create_topic(topic, self._broker.default_partitions)
+            tps = {TopicPartition(t, p) for t in self.topics for p in range(self._broker.partitions(t))}
+            for tp in tps:
+                self._positions[tp] = 0 if self._from_beginning else len(self._broker.topics[tp.topic][tp.partition])
+            self._assigned = tps
+            if self._on_assigned:
+                await self._on_assigned(set(tps))
+            return
         group = self._broker.groups.setdefault(self.group_id, _Group())
         group.members.append(self)
-        self._started = True
         await self._broker.rebalance(self.group_id)
 
     async def _reassign(self, new: set[TopicPartition]) -> None:
@@ -197,6 +208,8 @@ class MemoryConsumer:
                     return []
 
     async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+        if self.group_id is None:
+            raise ValueError("a reader (no group) has nothing to commit to")
         group = self._broker.groups[self.group_id]
         if offsets is None:
             offsets = {tp: pos for tp, pos in self._positions.items()}
@@ -206,6 +219,8 @@ class MemoryConsumer:
             group.committed[tp] = off
 
     async def committed(self, tp: TopicPartition) -> int | None:
+        if self.group_id is None:
+            return None
         return self._broker.groups[self.group_id].committed.get(tp)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
@@ -225,6 +240,9 @@ class MemoryConsumer:
         if not self._started:
             return
         self._started = False
+        if self.group_id is None:
+            self._assigned, self._positions = set(), {}
+            return
         group = self._broker.groups[self.group_id]
         group.members.remove(self)
         self._assigned = set()
@@ -250,7 +268,7 @@ class MemoryTransport:
     def consumer(
         self,
         topics: Sequence[str],
-        group_id: str,
+        group_id: str | None,
         *,
         from_beginning: bool = True,
         on_assigned: RebalanceCallback | None = None,

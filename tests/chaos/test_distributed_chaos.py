@@ -24,7 +24,6 @@ from collections import Counter
 import pytest
 
 from bench.distributed import untrained_versions
-
 from conveyor.contracts import DeadLetter, Rollout, ScoredRollout, Task, decode
 from conveyor.topics import Topics
 
@@ -107,8 +106,12 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     data = {
         "run_id": run_id,
         "transport": {**kafka_cfg.model_dump(), "connect_deadline_s": 120},
-        "object_store": {**s3_cfg.model_dump(mode="json"), "prefix": prefix, "max_attempts": 2,
-                         "secret_access_key": s3_cfg.secret_access_key.get_secret_value()},  # fmt: skip
+        "object_store": {
+            **s3_cfg.model_dump(mode="json"),
+            "prefix": prefix,
+            "max_attempts": 2,
+            "secret_access_key": s3_cfg.secret_access_key.get_secret_value(),
+        },  # fmt: skip
         "celery": {"type": "redis", "url": redis_url, "visibility_timeout_s": 20},
         "reward": {"timeout_s": 2, "soft_time_limit_s": 8, "hard_time_limit_s": 10, "queue": f"{run_id}-reward"},
         "producer": {"suite": "pyexpr", "group_size": GROUP, "max_tasks": TASKS, "http_port": None},
@@ -135,7 +138,9 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
             due = [r for r in ROLES if kills[r] < 2 and not sup.roles[r].done]
             if "producer" in due:
                 due = ["producer"]  # it finishes its suite early: its two kills come first
-            role = rng.choice(due) if due and sum(kills.values()) < 24 else (rng.choice(ROLES) if sum(kills.values()) < 20 else None)
+            role = (
+                rng.choice(due) if due and sum(kills.values()) < 24 else (rng.choice(ROLES) if sum(kills.values()) < 20 else None)
+            )
             if role is not None and sup.roles[role].pid:
                 os.killpg(sup.roles[role].pid, signal.SIGKILL)
                 kills[role] += 1
@@ -150,7 +155,12 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
             for _ in range(rng.randint(4, 10)):  # 2-5 s between kills
                 sup.tick()
                 time.sleep(0.5)
-            if outage_done and sum(kills.values()) >= 20 and all(kills[r] >= 2 or sup.roles[r].done for r in ROLES) and sup.roles["producer"].done:
+            if (
+                outage_done
+                and sum(kills.values()) >= 20
+                and all(kills[r] >= 2 or sup.roles[r].done for r in ROLES)
+                and sup.roles["producer"].done
+            ):
                 break
         if not outage_done:  # the loop ran out of time: S3 must serve the drain
             stack.restart("s3", 60.0)

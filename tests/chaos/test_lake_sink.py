@@ -13,13 +13,13 @@ import time
 import uuid
 
 import yaml
+from unit.test_lake_codec import scored
 
 from conveyor.contracts import ScoredRollout
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
 from storage.lake import LakeReader
 from storage.objectstore import S3ObjectStore
-from unit.test_lake_codec import scored
 
 
 def make_rows(run_id: str, lo: int, hi: int) -> list[ScoredRollout]:
@@ -81,7 +81,9 @@ def test_s3_down_for_30_seconds_loses_and_duplicates_nothing(stack, kafka_cfg, s
     assert outage_s >= 30 and sink.retries > 0
     ids = lake_ids(store, run_id)
     assert sorted(ids) == sorted(r.rollout_id for r in rows)
-    import pyarrow.parquet as pq, io  # noqa: E401
+    import io
+
+    import pyarrow.parquet as pq  # noqa: E401
 
     raw = [i for k in LakeReader(store, run_id).parts()
            for i in pq.read_table(io.BytesIO(store.get(k)), columns=["rollout_id"]).column("rollout_id").to_pylist()]  # fmt: skip
@@ -96,8 +98,11 @@ def test_sink_killed_between_write_and_commit_leaves_no_duplicate_at_read_time(s
     cfg = {
         "run_id": run_id,
         "transport": kafka_cfg.model_dump(),
-        "object_store": {**s3_cfg.model_dump(mode="json"), "prefix": prefix,
-                         "secret_access_key": s3_cfg.secret_access_key.get_secret_value()},  # fmt: skip
+        "object_store": {
+            **s3_cfg.model_dump(mode="json"),
+            "prefix": prefix,
+            "secret_access_key": s3_cfg.secret_access_key.get_secret_value(),
+        },  # fmt: skip
         "logging": {"level": "info", "format": "json"},
     }
     path = tmp_path / "run.yaml"
@@ -147,8 +152,14 @@ def test_sink_started_while_s3_is_down_waits_for_it(stack, kafka_cfg, s3_cfg, tm
     cfg = {
         "run_id": run_id,
         "transport": kafka_cfg.model_dump(),
-        "object_store": {**s3_cfg.model_dump(mode="json"), "prefix": prefix, "max_attempts": 1, "connect_timeout_s": 1.0,
-                         "connect_deadline_s": 90, "secret_access_key": s3_cfg.secret_access_key.get_secret_value()},  # fmt: skip
+        "object_store": {
+            **s3_cfg.model_dump(mode="json"),
+            "prefix": prefix,
+            "max_attempts": 1,
+            "connect_timeout_s": 1.0,
+            "connect_deadline_s": 90,
+            "secret_access_key": s3_cfg.secret_access_key.get_secret_value(),
+        },  # fmt: skip
         "logging": {"level": "info", "format": "json"},
     }
     path = tmp_path / "run.yaml"

@@ -16,14 +16,13 @@ import time
 import uuid
 from collections import Counter
 
-import yaml
-
 import pytest
-
+import yaml
 from conftest import ROOT, free_port_block
+from scored_factory import scored_group
+
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
-from scored_factory import scored_group
 
 GROUPS, GROUP_SIZE, BATCH_GROUPS = 60, 4, 2
 

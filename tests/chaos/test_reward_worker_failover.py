@@ -8,9 +8,9 @@ import time
 import uuid
 
 import pytest
-
 from celery_support import Worker, write_config
 from conftest import decode_bytes, make_rollout_for
+
 from conveyor.contracts import ScoredRollout, Task, VerifierSpec, decode
 
 

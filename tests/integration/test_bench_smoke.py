@@ -10,7 +10,9 @@ from conftest import ROOT
 
 
 def test_learner_gpu_bench_smoke():
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "learner_gpu.py"), "--smoke"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "learner_gpu.py"), "--smoke"], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FIGURE learner_tokens_per_s" in res.stdout
 
@@ -25,6 +27,8 @@ def test_packed_prompts_bench_smoke():
 
 
 def test_gil_contention_bench_smoke():
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gil_contention.py"), "--steps", "20"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gil_contention.py"), "--steps", "20"], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FIGURE gil_threads_slowdown" in res.stdout and "FIGURE gil_processes_slowdown" in res.stdout

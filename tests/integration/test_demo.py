@@ -4,13 +4,13 @@ bubblewrap sandbox for rewards, the reference engine, a local object store."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import open_sandbox
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     from conveyor.demo import DemoConfig, run_demo
+
     open_sandbox().close()  # fail (CI) or skip early, with the reason, where bubblewrap cannot run
     cfg = DemoConfig(
         seed=0,

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, free_port_block
 
 SCRIPT = Path(__file__).with_name("fsdp_step.py")  # run by torchrun, not collected (no test_ prefix)

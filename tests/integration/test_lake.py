@@ -10,9 +10,9 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from unit.test_lake_codec import scored
 
 from storage.lake import SCHEMA, LakeFilter, LakeReader, parquet_bytes, part_key, rows_from_table, write_parts
-from unit.test_lake_codec import scored
 
 # `store` (local directory and SeaweedFS) comes from conftest.py.
 

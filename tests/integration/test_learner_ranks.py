@@ -18,11 +18,11 @@ import uuid
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT, free_port_block
+from scored_factory import scored_group
+
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
-from scored_factory import scored_group
 
 GROUPS, GROUP_SIZE, BATCH_GROUPS = 16, 4, 4
 STEPS = GROUPS // BATCH_GROUPS
@@ -64,7 +64,14 @@ def train(tmp_path, kafka_cfg, model_dir, name: str, nproc: int) -> tuple[str, l
     serve = ["-m", "conveyor.cli.main", "serve", "learner", "--config", str(config), "--model", str(model_dir),
              "--run-dir", str(tmp_path / name), "--threads", "1"]  # fmt: skip
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port_block()}", *serve]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port_block()}",
+            *serve,
+        ]
     else:
         cmd = [sys.executable, *serve]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -46,7 +46,9 @@ async def test_episodes_feed_execution_feedback_back(tmp_path):
         # (the demo model's character vocabulary maps letters it lacks to <unk>)
         assert observed == [i for t in r.turns if t.role == "user" for i in engine.encode(t.text)]
         assert all(lp == 0.0 for lp, m in zip(logps, mask) if m == 0)
-        assert engine.decode([t for t, m in zip(ids, mask) if m == 1]) == "".join(t.text for t in r.turns if t.role == "assistant")
+        assert engine.decode([t for t, m in zip(ids, mask) if m == 1]) == "".join(
+            t.text for t in r.turns if t.role == "assistant"
+        )
         segs = r.version_segments
         assert segs[0].start == 0 and segs[-1].end == len(ids)
         assert all(a.end == b.start for a, b in zip(segs, segs[1:]))
@@ -55,11 +57,13 @@ async def test_episodes_feed_execution_feedback_back(tmp_path):
     k = 0
     for r in rollouts:
         n = sum(t.role == "assistant" for t in r.turns)
-        assert all(v.verdict != "pass" for v in verdicts[k:k + n - 1])
+        assert all(v.verdict != "pass" for v in verdicts[k : k + n - 1])
         k += n
     # The bridge judges the last attempt, not the spliced transcript.
     bridge = RewardBridge(None, None, scorer, engine.decode)
     scored = await bridge._score(rollouts)
-    last = [verdicts[sum(sum(t.role == "assistant" for t in q.turns) for q in rollouts[: i + 1]) - 1] for i in range(len(rollouts))]
+    last = [
+        verdicts[sum(sum(t.role == "assistant" for t in q.turns) for q in rollouts[: i + 1]) - 1] for i in range(len(rollouts))
+    ]
     assert [s.verdict for s in scored] == [v.verdict for v in last]
     sandbox.close()

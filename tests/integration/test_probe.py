@@ -6,8 +6,8 @@ from __future__ import annotations
 import socket
 
 import pytest
-
 from conftest import service_unavailable
+
 from conveyor.config import parse_run_config
 from conveyor.probe import probe_all
 
@@ -50,7 +50,12 @@ def test_unreachable_backends_are_reported_by_section(tmp_path):
         {
             "run_id": "probe",
             "transport": {"type": "kafka", "bootstrap_servers": f"127.0.0.1:{dead}"},
-            "object_store": {"type": "s3", "endpoint_url": f"http://127.0.0.1:{dead + 1}", "access_key_id": "a", "secret_access_key": "b"},
+            "object_store": {
+                "type": "s3",
+                "endpoint_url": f"http://127.0.0.1:{dead + 1}",
+                "access_key_id": "a",
+                "secret_access_key": "b",
+            },
             "celery": {"type": "redis", "url": f"redis://127.0.0.1:{dead + 2}/0"},
         }
     )

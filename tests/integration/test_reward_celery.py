@@ -7,9 +7,9 @@ import asyncio
 import uuid
 
 import pytest
-
 from celery_support import Worker, write_config
 from conftest import decode_bytes, make_rollout_for
+
 from conveyor.contracts import ScoredRollout, Task, VerifierSpec
 
 

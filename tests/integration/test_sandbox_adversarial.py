@@ -12,7 +12,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import ROOT, open_sandbox
 
 
@@ -76,12 +75,7 @@ def test_memory_bomb_is_killed_with_memory_verdict(sandbox):
 
 
 def test_disk_fill_stops_at_the_tmpfs_limit(sandbox):
-    src = (
-        "import os\n"
-        "for i in range(1000):\n"
-        "    with open(f'f{i}', 'wb') as fh:\n"
-        "        fh.write(b'x' * (1 << 20))\n"
-    )
+    src = "import os\nfor i in range(1000):\n    with open(f'f{i}', 'wb') as fh:\n        fh.write(b'x' * (1 << 20))\n"
     r = run1(sandbox, src)
     assert r.verdict == "error"
     assert r.feedback["type"] == "OSError" and "No space left" in r.feedback["message"]
@@ -315,7 +309,11 @@ def test_nothing_carries_over_to_the_next_job(sandbox):
         "print(os.getpid(), seen, others, segment, os.listdir('.'), os.listdir('/tmp'))\n"
         "assert not seen and not others and segment == -1\n"
     )  # fmt: skip
-    results = [r for pair in (sandbox.run([Job(first), Job(first + "#2\n")]), sandbox.run([Job(second), Job(second + "#2\n")])) for r in pair]
+    results = [
+        r
+        for pair in (sandbox.run([Job(first), Job(first + "#2\n")]), sandbox.run([Job(second), Job(second + "#2\n")]))
+        for r in pair
+    ]
     assert all(r.verdict == "pass" for r in results), results
     pids = [int(r.stdout.split()[0]) for r in results[2:]]
     if sandbox.warm:  # the same supervisors served the second batch: the checks above saw a used namespace

@@ -8,7 +8,6 @@ import signal
 import threading
 
 import psutil
-
 from conftest import open_sandbox
 
 

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 
-
 from conveyor.stack.manager import free_port_block
 
 
@@ -70,7 +69,14 @@ def test_port_in_use_is_refused_with_the_port_named(tmp_path):
 
 def test_missing_binary_is_named(tmp_path):
     res = conveyor(
-        "stack", "up", "--state-dir", str(tmp_path), "--base-port", str(free_port_block()), "--only", "kafka",
+        "stack",
+        "up",
+        "--state-dir",
+        str(tmp_path),
+        "--base-port",
+        str(free_port_block()),
+        "--only",
+        "kafka",
         env={"CONVEYOR_TANSU_BIN": str(tmp_path / "no-such-tansu")},
     )
     assert res.returncode == 12

@@ -70,10 +70,15 @@ def test_validate_names_every_bad_record(tmp_path):
 
 def test_validate_parquet_with_preset_and_mapping(tmp_path):
     path = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist([
-        {"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4", "style": "rule"}},
-        {"prompt": [{"role": "user", "content": "3+3?"}], "reward_model": {"ground_truth": None, "style": "rule"}},
-    ]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4", "style": "rule"}},
+                {"prompt": [{"role": "user", "content": "3+3?"}], "reward_model": {"ground_truth": None, "style": "rule"}},
+            ]
+        ),
+        path,
+    )
     result = runner.invoke(tasks_cli.app, ["validate", str(path), "--preset", "verl"])
     assert result.exit_code == 1
     assert f"{path}:row 1: reward_model.ground_truth: missing" in result.stdout

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 
 import pytest
-
 from conftest import open_sandbox
+
 from conveyor.contracts import Task
 
 SUITES = {"python_functions": 40, "terminal": 20, "math_numeric": 30, "tool_calls": 20}

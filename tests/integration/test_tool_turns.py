@@ -14,13 +14,13 @@ from tests.conftest import open_sandbox
 
 pytestmark = pytest.mark.integration
 
-CHECKS = '''
+CHECKS = """
 import os
 def test_b_holds_two():
     assert open("/workspace/b.txt").read().strip() == "2"
 def test_a_untouched():
     assert open("/workspace/a.txt").read() == "1"
-'''
+"""
 
 
 def _task(max_turns: int = 4) -> Task:

@@ -165,6 +165,30 @@ async def test_committed_records_are_not_delivered_again(transport):
     assert [r.value for r in rest] == [b"new"]
 
 
+async def test_a_reader_in_no_group_reads_every_partition_whole(transport):
+    """What every instance reads whole (weights, progress, the admission ledger): no group, every
+    partition from the beginning, ``caught_up`` once read to the end, nothing to commit."""
+    topic = unique("reader")
+    await transport.create_topics([TopicSpec(topic, 2)])
+    await produce(transport, topic, [(f"k{i}".encode(), f"{i}".encode()) for i in range(10)])
+    readers = [transport.consumer([topic], None) for _ in range(2)]
+    for r in readers:
+        await r.start()
+    try:
+        for r in readers:  # both see everything: they share no group
+            assert len(r.assignment()) == 2
+            assert sorted(int(x.value) for x in await drain(r, 10)) == list(range(10))
+            assert await r.caught_up()
+        await produce(transport, topic, [(b"k0", b"10")])
+        assert [x.value for x in await drain(readers[0], 1)] == [b"10"]
+        assert await readers[0].caught_up()
+        with pytest.raises(ValueError):
+            await readers[1].commit({next(iter(readers[1].assignment())): 1})
+    finally:
+        for r in readers:
+            await r.close()
+
+
 async def test_seek_rereads_from_an_offset(transport):
     topic = unique("seek")
     await transport.create_topics([TopicSpec(topic, 1)])
@@ -189,8 +213,22 @@ async def test_garbage_goes_to_dead_letter_and_consumer_carries_on(transport):
     pub = Publisher(producer, tasks_topic)
     await pub.publish_and_wait(Task(task_id="t1", run_id="r", prompt="a"), key="t1")
     await producer.send_and_wait(tasks_topic, b"\xc1not msgpack", b"t2")
-    await producer.send_and_wait(tasks_topic, encode(DeadLetter(  # valid msgpack, wrong type
-        dead_letter_id="x", source_topic="s", source_partition=0, source_offset=0, key=None, raw=b"", error="", service="s")), b"t3")
+    await producer.send_and_wait(
+        tasks_topic,
+        encode(
+            DeadLetter(  # valid msgpack, wrong type
+                dead_letter_id="x",
+                source_topic="s",
+                source_partition=0,
+                source_offset=0,
+                key=None,
+                raw=b"",
+                error="",
+                service="s",
+            )
+        ),
+        b"t3",
+    )
     await pub.publish_and_wait(Task(task_id="t4", run_id="r", prompt="b"), key="t4")
 
     group = unique("g")

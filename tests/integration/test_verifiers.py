@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import open_sandbox
+
 from conveyor.contracts import Task, VerifierSpec
 
 
@@ -49,7 +49,11 @@ def test_python_tests_feedback_points_at_the_models_line(sandbox):
                           "def add(a, b):\n    x = None\n    return x + b\n"))  # fmt: skip
     assert v.verdict == "fail"
     assert (v.feedback.exception_type, v.feedback.file, v.feedback.line, v.feedback.failing_test) == (
-        "TypeError", "solution.py", 3, "test_it")
+        "TypeError",
+        "solution.py",
+        3,
+        "test_it",
+    )
 
 
 def test_prepend_prompt(sandbox):

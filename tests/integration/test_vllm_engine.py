@@ -163,8 +163,9 @@ async def test_swap_lands_in_flight_with_version_segments(served, tmp_path):
 
 
 async def test_weights_that_do_not_fit_are_refused(served):
-    from rollout_workers.engine import SamplingRequest, WeightsRejected
     from safetensors.torch import save
+
+    from rollout_workers.engine import SamplingRequest, WeightsRejected
 
     engine, _, tokenizer = served
     before = engine.version
@@ -195,7 +196,6 @@ async def test_abort_ends_a_request(served):
 
 async def test_ngram_speculative_decoding_keeps_greedy_output(served, tmp_path):
     from rollout_workers.engine import SamplingRequest
-
     from rollout_workers.reference_engine import ReferenceEngine
 
     _, model, tokenizer = served
@@ -219,7 +219,6 @@ async def test_ngram_speculative_decoding_keeps_greedy_output(served, tmp_path):
             await spec.generate(SamplingRequest(prompts[0], n=2, max_tokens=30))
     finally:
         await spec.close()
-
 
 
 async def test_rollout_worker_on_vllm_follows_weights_and_refuses_corrupt_ones(served, tmp_path):
@@ -250,8 +249,12 @@ async def test_draft_model_speculative_decoding_keeps_greedy_output(served, tmp_
     tokenizer.save_pretrained(target)
     draft = tmp_path / "draft"  # a smaller model over the same vocabulary
     create_tiny_llama(draft, ALPHABET, seed=7, hidden_size=64, layers=1, heads=2, intermediate_size=128, max_positions=128)
-    spec = await _start(target, seed=0, enforce_eager=True,  # as in the n-gram test
-                        speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+    spec = await _start(
+        target,
+        seed=0,
+        enforce_eager=True,  # as in the n-gram test
+        speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+    )
     try:
         prompts = _prompts(tokenizer, 6)
         plain = ReferenceEngine(target).generate(prompts, 1, max_new_tokens=30, greedy=True)

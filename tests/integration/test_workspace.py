@@ -6,7 +6,6 @@ import json
 import time
 
 import pytest
-
 from conftest import open_sandbox
 
 HASH_TREE = (

@@ -33,7 +33,7 @@ async def test_tickets_are_global_and_each_attempt_counts_once():
     assert a.tickets == b.tickets == {"t1/0": 8, "t2/0": 16, "t3/0": 20}
     assert a.claimed_samples == b.claimed_samples == 20
     # A reader that starts afterwards (a restarted worker) computes the same tickets.
-    (io_c, c), = await _ledgers(broker, topics, "worker-c")
+    ((io_c, c),) = await _ledgers(broker, topics, "worker-c")
     assert await c.catch_up(deadline_s=5)
     assert c.tickets == a.tickets
     for io in (io_a, io_b, io_c):
@@ -71,7 +71,7 @@ async def test_offers_count_until_a_worker_claims_them():
 
 async def test_a_malformed_claim_is_dead_lettered_and_the_ledger_goes_on():
     broker, topics = MemoryBroker(), Topics("adm4")
-    (io_a, a), = await _ledgers(broker, topics, "worker-a")
+    ((io_a, a),) = await _ledgers(broker, topics, "worker-a")
     producer = MemoryTransport(broker).producer()
     await producer.send_and_wait(topics.admissions, b"\x00not msgpack", b"adm4")
     await a.claim([("t1/0", 4)])

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import msgspec
 
-from conveyor.contracts import ClaimRef, DeadLetter, Rollout, VersionSegment, decode, float32_array, int32_array, rollout_id, uint8_array
+from conveyor.contracts import (
+    ClaimRef,
+    DeadLetter,
+    Rollout,
+    VersionSegment,
+    decode,
+    float32_array,
+    int32_array,
+    rollout_id,
+    uint8_array,
+)
 from conveyor.messaging import ClaimCheck, DeadLetterSink, Publisher, Subscriber
 from conveyor.transport.memory import MemoryTransport
 from storage.objectstore import LocalObjectStore

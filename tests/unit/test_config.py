@@ -8,7 +8,12 @@ from conveyor.config import load_run_config, parse_run_config
 from conveyor.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = sorted(p for d in ("examples", "deploy") for p in (ROOT / d).rglob("*.yaml") if p.read_text().startswith(("run_id", "#")) and "\nrun_id:" in "\n" + p.read_text())
+SHIPPED = sorted(
+    p
+    for d in ("examples", "deploy")
+    for p in (ROOT / d).rglob("*.yaml")
+    if p.read_text().startswith(("run_id", "#")) and "\nrun_id:" in "\n" + p.read_text()
+)
 # (the Kubernetes ConfigMap embeds a run config too: tests/unit/test_deploy_manifests.py parses that one)
 
 

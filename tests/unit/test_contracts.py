@@ -124,7 +124,9 @@ def test_a_rollout_with_completion_tokens_and_no_prompt_tokens_is_rejected():
     builtins["prompt_token_ids"] = b""
     with pytest.raises(DecodeError, match="no prompt tokens"):
         decode(msgspec.msgpack.encode(builtins), Rollout)
-    assert len(msgspec.structs.replace(make_rollout(0), prompt_token_ids=int32_array([])).prompt_token_ids) == 0  # nothing to predict
+    assert (
+        len(msgspec.structs.replace(make_rollout(0), prompt_token_ids=int32_array([])).prompt_token_ids) == 0
+    )  # nothing to predict
 
 
 def test_packed_array_with_torn_bytes_is_rejected():

@@ -36,10 +36,10 @@ class _Captured(Exception):
     ],
 )
 def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engine_process, learner_process):
-    import conveyor.demo
-    import conveyor.logging
     from typer.testing import CliRunner
 
+    import conveyor.demo
+    import conveyor.logging
     from conveyor.cli.main import app
 
     seen = {}

@@ -10,8 +10,8 @@ import json
 import jsonschema
 import pytest
 import yaml
-
 from conftest import ROOT
+
 from conveyor.config import parse_run_config
 
 DEPLOY = ROOT / "deploy"

@@ -61,7 +61,9 @@ def test_token_and_sequence_aggregation_differ_on_unequal_lengths():
 
 def _dec(new: float, prox: float, old: float, adv: float, cfg=LossConfig(objective="decoupled")):
     lp = torch.tensor([new], requires_grad=True)
-    loss, stats = clipped_pg_loss([lp], [torch.tensor([old])], [adv], [torch.ones(1)], cfg, proximal_logprobs=[torch.tensor([prox])])
+    loss, stats = clipped_pg_loss(
+        [lp], [torch.tensor([old])], [adv], [torch.ones(1)], cfg, proximal_logprobs=[torch.tensor([prox])]
+    )
     loss.backward()
     return loss.item(), float(lp.grad[0]), stats
 
@@ -100,7 +102,9 @@ def test_on_policy_ignores_the_behaviour_logprobs():
 def test_kl_penalty_pulls_towards_the_reference():
     cfg = LossConfig(objective="on_policy", kl_coef=0.5)
     lp = torch.tensor([-0.5], requires_grad=True)
-    loss, stats = clipped_pg_loss([lp], [torch.tensor([-0.5])], [0.0], [torch.ones(1)], cfg, reference_logprobs=[torch.tensor([-1.0])])
+    loss, stats = clipped_pg_loss(
+        [lp], [torch.tensor([-0.5])], [0.0], [torch.ones(1)], cfg, reference_logprobs=[torch.tensor([-1.0])]
+    )
     loss.backward()
     assert stats["kl"] > 0 and float(lp.grad[0]) > 0  # new > ref: the penalty pushes the logprob down
 
@@ -130,7 +134,9 @@ def test_a_shared_prompt_is_run_once_with_the_same_logprobs_and_gradients(tmp_pa
         model.zero_grad()
         ent: list = []
         calls = []
-        hook = model.register_forward_pre_hook(lambda m, args, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+        hook = model.register_forward_pre_hook(
+            lambda m, args, kw, calls=calls: calls.append(kw["input_ids"].shape), with_kwargs=True
+        )
         lp = fn(model, prompts, completions, tok.pad_token_id, ent, temps)
         hook.remove()
         sum((x * w).sum() for x, w in zip(lp, weights)).backward()
@@ -175,8 +181,9 @@ def test_token_entropies_agree_on_every_path_and_the_bonus_raises_entropy(tmp_pa
     paths = {
         "whole": lambda te, ent: grpo._whole_sequence_logprobs(model, prompts, completions, tok.pad_token_id, ent, temps, te),
         "shared": lambda te, ent: grpo.completion_logprobs(model, prompts, completions, tok.pad_token_id, ent, temps, te),
-        "packed": lambda te, ent: packed_completion_logprobs(model, prompts, completions, entropy=ent, temperatures=temps,
-                                                             token_entropies=te),  # fmt: skip
+        "packed": lambda te, ent: packed_completion_logprobs(
+            model, prompts, completions, entropy=ent, temperatures=temps, token_entropies=te
+        ),  # fmt: skip
     }
     got = {}
     for name, fn in paths.items():

@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import ROOT, service_unavailable
-from conveyor.config import parse_run_config
 from test_deploy_manifests import validate_object as validate
+
+from conveyor.config import parse_run_config
 
 CHART = ROOT / "deploy" / "helm" / "conveyor"
 

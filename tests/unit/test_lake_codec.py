@@ -40,8 +40,10 @@ def scored(i: int, n: int = 50, version: int = 3, **kw) -> ScoredRollout:
         completion_token_ids=int32_array(range(i, i + n)),
         behaviour_logprobs=float32_array([-0.125 * k for k in range(n)]),
         loss_mask=uint8_array([1, 0] * (n // 2)),
-        version_segments=[VersionSegment(start=0, end=n // 2, policy_version=version),
-                          VersionSegment(start=n // 2, end=n, policy_version=version + 1)],  # fmt: skip
+        version_segments=[
+            VersionSegment(start=0, end=n // 2, policy_version=version),
+            VersionSegment(start=n // 2, end=n, policy_version=version + 1),
+        ],  # fmt: skip
         turns=[Turn(role="assistant", text="x", tool_calls=[ToolCall(name="f", arguments={"a": 1})])],
         finish_reason="length",
         timings=Timings(task_received_at=1.5, generation_started_at=2.5, generation_finished_at=3.25),

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from scored_factory import scored_group
 
 from conveyor.contracts import WeightsAnnouncement, decode
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.recipe import GRPOLearner
-from scored_factory import scored_group
 from storage.objectstore import LocalObjectStore
 
 

@@ -7,13 +7,13 @@ import asyncio
 
 import msgspec
 import pytest
+from scored_factory import scored_group
 
 from conveyor.contracts import LearnerProgress, WeightsAnnouncement, decode
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.recipe import GRPOLearner
-from scored_factory import scored_group
 from storage.objectstore import LocalObjectStore
 
 pytestmark = pytest.mark.unit

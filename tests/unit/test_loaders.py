@@ -50,12 +50,23 @@ def math_record(task_id: str, prompt, answer="4", **extra) -> dict:
 
 
 def test_plain_jsonl_good_records(tmp_path):
-    path = write_jsonl(tmp_path / "tasks.jsonl", [
-        math_record("a", "What is 2+2?", group_size=4, split="test", priority=3, metadata={"level": 1, "src": "x"}),
-        {"task_id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
-         "verifier": {"kind": "math", "data": {"answer": 4}}, "sampling": {"temperature": 0.7, "max_tokens": 64}},
-        {"task_id": "c", "prompt": "def f(): ...", "verifier": {"kind": "python_tests", "data": {"tests": "assert f() is None"}}},
-    ])
+    path = write_jsonl(
+        tmp_path / "tasks.jsonl",
+        [
+            math_record("a", "What is 2+2?", group_size=4, split="test", priority=3, metadata={"level": 1, "src": "x"}),
+            {
+                "task_id": "b",
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+                "verifier": {"kind": "math", "data": {"answer": 4}},
+                "sampling": {"temperature": 0.7, "max_tokens": 64},
+            },
+            {
+                "task_id": "c",
+                "prompt": "def f(): ...",
+                "verifier": {"kind": "python_tests", "data": {"tests": "assert f() is None"}},
+            },
+        ],
+    )
     result = load_tasks(path, RUN, "plain")
     assert result.ok and result.records == 3
     a, b, c = result.tasks
@@ -86,7 +97,11 @@ BAD_LINES = [
     math_record("empty", "   "),  # 5
     {"task_id": "nope", "prompt": "x", "verifier": {"kind": "vibes", "data": {}}},  # 6
     "",  # 7: blank lines are not records
-    {"task_id": "role", "messages": [{"role": "wizard", "content": "hi"}], "verifier": {"kind": "math", "data": {"answer": "1"}}},  # 8
+    {
+        "task_id": "role",
+        "messages": [{"role": "wizard", "content": "hi"}],
+        "verifier": {"kind": "math", "data": {"answer": "1"}},
+    },  # 8
     math_record("ok-1", "again?"),  # 9: duplicate id
     "[1, 2, 3]",  # 10: not an object
     math_record("no-answer", "1+1?", answer=None),  # 11
@@ -94,7 +109,11 @@ BAD_LINES = [
     {"task_id": "size0", "prompt": "x", "group_size": 0, "verifier": {"kind": "math", "data": {"answer": "1"}}},  # 13
     {"task_id": "split", "prompt": "x", "split": "someday", "verifier": {"kind": "math", "data": {"answer": "1"}}},  # 14
     {"task_id": "verif", "prompt": "x", "verifier": "math"},  # 15
-    {"task_id": "content", "messages": [{"role": "user", "content": 5}], "verifier": {"kind": "math", "data": {"answer": "1"}}},  # 16
+    {
+        "task_id": "content",
+        "messages": [{"role": "user", "content": 5}],
+        "verifier": {"kind": "math", "data": {"answer": "1"}},
+    },  # 16
 ]
 
 
@@ -209,13 +228,15 @@ def test_iterator_form_streams_and_collects_errors(tmp_path):
 # --------------------------------------------------------------------------
 # verl (Parquet)
 
-VERL_SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-    ("extra_info", pa.struct([("index", pa.int64()), ("split", pa.string())])),
-])
+VERL_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        ("extra_info", pa.struct([("index", pa.int64()), ("split", pa.string())])),
+    ]
+)
 
 
 def verl_row(i: int, question: str | None, truth: str | None, split: str = "train") -> dict:
@@ -251,8 +272,13 @@ def test_verl_parquet(tmp_path):
 
 
 def test_verl_mapping_override(tmp_path):
-    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"style": "rule"},
-             "extra_info": {"answer": "4", "index": 7}}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "2+2?"}],
+            "reward_model": {"style": "rule"},
+            "extra_info": {"answer": "4", "index": 7},
+        }
+    ]
     path = write_parquet(tmp_path / "t.parquet", rows)
     assert load_tasks(path, RUN, "verl", on_error="skip").errors[0].field == "reward_model.ground_truth"
     mapping_file = tmp_path / "m.yaml"
@@ -281,7 +307,10 @@ def test_verl_wrong_types(tmp_path):
 def test_trl_records(tmp_path):
     lines = [
         {"prompt": "What is 6*7?", "solution": "42"},
-        {"prompt": [{"role": "user", "content": "Write add(a, b)."}], "tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]},
+        {
+            "prompt": [{"role": "user", "content": "Write add(a, b)."}],
+            "tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"],
+        },
         {"id": "p3", "prompt": "Write sub(a, b).", "test": "assert sub(3, 1) == 2"},
         {"prompt": "No ground truth here"},
         {"prompt": "", "solution": "1"},

@@ -19,7 +19,9 @@ def test_json_logs_carry_bound_context(capsys):
     structlog.get_logger("x").debug("hidden")
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert len(lines) == 1
-    assert lines[0] | {"service": "reward-bridge", "run_id": "r1", "task_id": "t9", "event": "scored", "level": "info"} == lines[0]
+    assert (
+        lines[0] | {"service": "reward-bridge", "run_id": "r1", "task_id": "t9", "event": "scored", "level": "info"} == lines[0]
+    )
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
 

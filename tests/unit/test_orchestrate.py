@@ -22,7 +22,7 @@ def test_config_is_pointed_at_the_local_stack():
 def test_crashed_roles_restart_a_finished_producer_does_not(tmp_path):
     sup = Supervisor(tmp_path, tmp_path / "run.yaml", tmp_path)
     py = sys.executable
-    for name, role in sup.roles.items():
+    for role in sup.roles.values():
         role.argv = [py, "-c", "import time; time.sleep(60)"]
     sup.roles["producer"].argv = [py, "-c", "pass"]  # finishes its suite
     sup.roles["learner"].argv = [py, "-c", "import sys; sys.exit(3)"]  # crashes

@@ -72,7 +72,9 @@ def test_values_and_gradients_match_the_padded_computation(model, pack_tokens, p
     (torch.cat(ref) * weights).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
-    got = packed_completion_logprobs(m, prompts, completions, pack_tokens=pack_tokens, chunk_tokens=3, share_prompts=share_prompts)
+    got = packed_completion_logprobs(
+        m, prompts, completions, pack_tokens=pack_tokens, chunk_tokens=3, share_prompts=share_prompts
+    )
     (torch.cat(got) * weights).sum().backward()
     assert [len(x) for x in got] == [len(c) for c in completions]
     for a, b in zip(ref, got):

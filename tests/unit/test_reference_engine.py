@@ -74,7 +74,9 @@ def test_process_engine_samples_like_the_in_process_one(tmp_path):
     try:
         prompt = [local.encode("a = [1]")]
         greedy = dict(max_new_tokens=5, greedy=True)
-        assert [c.token_ids for c in remote.generate(prompt, 2, **greedy)[0]] == [c.token_ids for c in local.generate(prompt, 2, **greedy)[0]]
+        assert [c.token_ids for c in remote.generate(prompt, 2, **greedy)[0]] == [
+            c.token_ids for c in local.generate(prompt, 2, **greedy)[0]
+        ]
         state = {k: v * 0 for k, v in model.state_dict().items()}
         remote.load_state_dict(state, 7)
         assert remote.version == 7 and remote.generate(prompt, 1, **greedy)[0][0].policy_version == 7
@@ -110,8 +112,12 @@ def test_process_engine_swaps_to_a_published_blob_and_refuses_one_that_does_not_
         await engine.swap(blob(other), 3)
         assert engine.version == 3
         got, want = remote.generate(prompt, 1, **greedy)[0][0], local.generate(prompt, 1, **greedy)[0][0]
-        assert got.token_ids == want.token_ids and torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
-        assert got.token_ids != before.token_ids or not torch.allclose(torch.tensor(got.logprobs), torch.tensor(before.logprobs), atol=1e-3)
+        assert got.token_ids == want.token_ids and torch.allclose(
+            torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5
+        )
+        assert got.token_ids != before.token_ids or not torch.allclose(
+            torch.tensor(got.logprobs), torch.tensor(before.logprobs), atol=1e-3
+        )
         with pytest.raises(WeightsRejected):
             await engine.swap(blob(small), 4)  # wrong shapes: refused before it reaches the child
         with pytest.raises(WeightsRejected):

@@ -86,5 +86,3 @@ async def test_a_stop_that_cannot_drain_in_time_raises(tmp_path):
     with pytest.raises(DrainTimeout, match="1 rollouts still unscored"):
         await asyncio.wait_for(run, 10)
     await io.__aexit__(None, None, None)
-
-

@@ -55,7 +55,9 @@ async def _pipeline(tmp_path, engine, *, n_tasks=6, announce=(), max_inflight=4,
         for version, data, sha in announce:
             key = f"weights/v{version}.safetensors"
             store.put(key, data)
-            ann = WeightsAnnouncement(run_id="r", version=version, key=key, uri=key, sha256=sha or hashlib.sha256(data).hexdigest())
+            ann = WeightsAnnouncement(
+                run_id="r", version=version, key=key, uri=key, sha256=sha or hashlib.sha256(data).hexdigest()
+            )
             await (await wpub.publish(ann, "r"))
         stop = asyncio.Event()
         run = asyncio.create_task(worker.run(stop))

@@ -29,7 +29,9 @@ def test_no_room_outside_the_ephemeral_range_warns_and_still_gives_ports(monkeyp
 def test_the_reason_of_a_go_crash_leads_the_log_tail(tmp_path):
     log = tmp_path / "s3.log"
     dump = [f"\tgithub.com/seaweedfs/x.go:{i} +0x25" for i in range(200)]
-    log.write_text("\n".join(["I1201 starting", "panic: runtime error: index out of range", "goroutine 1 [running]:", *dump, "I1201 last"]))
+    log.write_text(
+        "\n".join(["I1201 starting", "panic: runtime error: index out of range", "goroutine 1 [running]:", *dump, "I1201 last"])
+    )
     tail = manager._tail(str(log), lines=5)
     assert tail.splitlines()[0] == "panic: runtime error: index out of range"
     assert tail.splitlines()[-1] == "I1201 last"

@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import pytest
+from unit.test_lake_codec import scored
 
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics
@@ -16,7 +17,6 @@ from conveyor.transport.memory import MemoryTransport
 from storage.lake import LakeReader
 from storage.objectstore import LocalObjectStore
 from storage.sink import StorageSink
-from unit.test_lake_codec import scored
 
 
 class GatedStore(LocalObjectStore):

@@ -103,7 +103,12 @@ def test_no_call_found(completion):
 
 def test_bad_task_is_an_error_through_score_batch():
     # No sandbox is needed for tool calls: score_batch never touches it.
-    ok, bad = score_batch(None, [(T(), call("get_weather", city="Paris", unit="celsius")),  # type: ignore[arg-type]
-                                 (T({"name": "teleport", "arguments": {}}), call("get_weather", city="Paris"))])
+    ok, bad = score_batch(
+        None,
+        [
+            (T(), call("get_weather", city="Paris", unit="celsius")),  # type: ignore[arg-type]
+            (T({"name": "teleport", "arguments": {}}), call("get_weather", city="Paris")),
+        ],
+    )
     assert (ok.reward, ok.verdict) == (1.0, "pass")
     assert bad.verdict == "error" and bad.feedback.message.startswith("bad task")
