@@ -11,7 +11,7 @@ Usage::
     pub = Publisher(producer, topics.rollouts, claim_check=cc)
     await pub.publish(rollout, key=rollout.task_id)
 
-    sub = Subscriber(transport, [topics.rollouts], "reward-bridge", Rollout,
+    sub = Subscriber(transport, [topics.rollouts], topics.group("reward-bridge"), Rollout,
                      dead_letters=DeadLetterSink(producer, topics.dead_letter, "reward-bridge"),
                      claim_check=cc)
     await sub.start()
@@ -247,7 +247,7 @@ class ServiceClients:
 
         async with ServiceClients(transport, topics.dead_letter, "reward-bridge") as io:
             out = io.publisher(topics.scored)
-            rollouts = await io.subscribe([topics.rollouts], "reward-bridge", Rollout)
+            rollouts = await io.subscribe([topics.rollouts], topics.group("reward-bridge"), Rollout)
 
     With ``heartbeats`` (the run's topics), it publishes a ``Heartbeat`` naming the service
     every ``HEARTBEAT_S`` seconds while open: ``conveyor status`` counts the instances alive

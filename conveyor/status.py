@@ -19,7 +19,7 @@ from conveyor.config import RunConfig
 from conveyor.contracts import DecodeError, Heartbeat, LearnerProgress, WeightsAnnouncement, decode
 from conveyor.topics import Topics
 
-GROUPS = {
+GROUPS = {  # role -> the topic its consumer group reads (the group: Topics.group(role))
     "rollout-workers": "tasks",
     "reward-bridge": "rollouts",
     "learner": "scored",
@@ -59,7 +59,7 @@ async def kafka_lag(cfg: RunConfig) -> dict:
             ends = await probe.end_offsets(tps) if tps else {}
             # The group's committed offsets, read without joining it (OffsetFetch through a consumer
             # of that group id that never subscribes).
-            reader = AIOKafkaConsumer(bootstrap_servers=servers, group_id=group, enable_auto_commit=False)
+            reader = AIOKafkaConsumer(bootstrap_servers=servers, group_id=topics.group(group), enable_auto_commit=False)
             await reader.start()
             try:
                 committed = {tp: await reader.committed(tp) for tp in tps}
@@ -70,7 +70,8 @@ async def kafka_lag(cfg: RunConfig) -> dict:
             marks = await _high_watermarks(servers, tps, committed)
             ends = {tp: max(v for v in (ends.get(tp), marks.get(tp), 0) if v is not None) for tp in tps}
             lag = sum(max(0, ends[tp] - (committed[tp] or 0)) for tp in tps)
-            out[group] = {"topic": topic, "lag": int(lag), "members": await _members(servers, group)}
+            out[group] = {"group": topics.group(group), "topic": topic, "lag": int(lag),
+                          "members": await _members(servers, topics.group(group))}  # fmt: skip
     finally:
         await probe.stop()
     return out

@@ -97,6 +97,11 @@ class Topics:
     def all(self) -> list[str]:
         return [self.name(kind) for kind in TOPIC_KINDS]
 
+    def group(self, role: str) -> str:
+        """The consumer group of a role in this run (``conveyor.<run_id>.<role>``): runs that share a
+        broker share no group, so one run's dead members never stall another's rebalance."""
+        return f"{self.prefix}.{self.run_id}.{role}"
+
     def shared_specs(self) -> list[TopicSpec]:
         """The single-partition topics every instance reads whole (weights, progress, admissions)."""
         return [s for s in self.specs(1) if s.name in (self.weights, self.progress, self.admissions)]

@@ -116,7 +116,7 @@ class GRPOLearner:
         admission_bound: int | None = None,
         keep_versions: int = 3,
         publish_every: int = 1,
-        group_id: str = "learner",
+        group_id: str | None = None,
         source=None,
         checkpoint_every: int = 0,
         keep_checkpoints: int = 2,
@@ -167,7 +167,7 @@ class GRPOLearner:
         if updates_per_batch < 1:
             raise ValueError("learner.updates_per_batch must be >= 1")
         self.updates_per_batch = updates_per_batch  # optimizer updates on each step's batch (PPO epochs)
-        self.group_id = group_id
+        self.group_id = group_id or (topics.group("learner") if topics is not None else None)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))

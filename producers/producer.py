@@ -108,7 +108,7 @@ class TaskProducer:
             await self.ledger.catch_up()
             scored = None
             if self.curriculum is not None:
-                scored = await io.subscribe([self.topics.scored], "producer-curriculum", ScoredRollout)
+                scored = await io.subscribe([self.topics.scored], self.topics.group("producer-curriculum"), ScoredRollout)
             self.position = await asyncio.to_thread(self._resume_position)
             if self.position:
                 self.tasks = itertools.islice(self.tasks, self.position, None)

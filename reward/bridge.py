@@ -54,7 +54,7 @@ class RewardBridge:
         scorer,
         decode_text,
         *,
-        group_id: str = "reward-bridge",
+        group_id: str | None = None,
         max_batch: int = 256,
         max_inflight: int = 512,
         drain_timeout_s: float = 60.0,
@@ -63,7 +63,7 @@ class RewardBridge:
         self.topics = topics
         self.scorer = scorer  # reward.scorers.LocalScorer | CeleryScorer
         self.decode_text = decode_text  # token ids -> text (the model's tokenizer)
-        self.group_id = group_id
+        self.group_id = group_id or topics.group("reward-bridge")
         self.max_batch = max_batch  # rollouts taken per poll
         self.max_inflight = max_inflight  # rollouts polled and not yet published
         self.drain_timeout_s = drain_timeout_s

@@ -75,7 +75,7 @@ class RolloutWorker:
         max_lag: int = 1,
         tasks_per_batch: int = 16,
         max_inflight_tasks: int | None = None,
-        group_id: str = "rollout-workers",
+        group_id: str | None = None,
         scorer=None,
         max_context_tokens: int | None = None,
         metrics=None,
@@ -90,7 +90,7 @@ class RolloutWorker:
         self.max_lag = max_lag
         self.tasks_per_batch = tasks_per_batch
         self.max_inflight_tasks = max_inflight_tasks or tasks_per_batch
-        self.group_id = group_id
+        self.group_id = group_id or topics.group("rollout-workers")
         self.scorer = scorer  # executes attempts of multi-turn tasks (the reward service)
         self.tool_sandbox = tool_sandbox  # runs tool turns of terminal tasks in persistent workspaces
         self.max_context_tokens = max_context_tokens or getattr(self.engine, "max_context", None) or 4096

@@ -46,7 +46,7 @@ class StorageSink:
         *,
         flush_rows: int = 512,
         flush_s: float = 5.0,
-        group_id: str = "storage-sink",
+        group_id: str | None = None,
         backoff_max_s: float = 10.0,
         give_up_after_s: float = 3600.0,
         max_inflight: int = 2,
@@ -58,7 +58,7 @@ class StorageSink:
         self.store = store
         self.flush_rows = flush_rows
         self.flush_s = flush_s
-        self.group_id = group_id
+        self.group_id = group_id or topics.group("storage-sink")
         self.backoff_max_s = backoff_max_s
         self.give_up_after_s = give_up_after_s
         self.max_inflight = max_inflight

@@ -29,7 +29,7 @@ async def test_lag_counts_every_record_of_batched_writes(kafka_cfg):
         pub = io.publisher(topics.tasks)
         # Published without waiting in between: the producer batches them.
         await asyncio.gather(*[await pub.publish(Task(task_id=f"t{i}", run_id=run_id, prompt="p"), f"t{i}") for i in range(40)])
-        sub = await io.subscribe([topics.tasks], "rollout-workers", Task)
+        sub = await io.subscribe([topics.tasks], topics.group("rollout-workers"), Task)
         got = []
         while len(got) < 15:
             got += await sub.poll(timeout_s=0.5, max_records=15 - len(got))

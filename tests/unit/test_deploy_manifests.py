@@ -57,7 +57,7 @@ def test_cross_references_hold():
     for so in by_kind["ScaledObject"].values():
         assert so["spec"]["scaleTargetRef"]["name"] in by_kind["Deployment"]
     kafka = by_kind["ScaledObject"]["rollout-worker"]["spec"]["triggers"][0]["metadata"]
-    assert kafka["consumerGroup"] == "rollout-workers" and kafka["topic"] == Topics(cfg.run_id).tasks
+    assert kafka["consumerGroup"] == Topics(cfg.run_id).group("rollout-workers") and kafka["topic"] == Topics(cfg.run_id).tasks
     redis = by_kind["ScaledObject"]["reward-worker"]["spec"]["triggers"][0]["metadata"]
     assert redis["listName"] == cfg.reward.queue
     sandbox = by_kind["Deployment"]["reward-worker"]["spec"]["template"]["spec"]["containers"][0]["securityContext"]

@@ -67,7 +67,7 @@ async def test_a_slow_reward_task_holds_back_only_itself(tmp_path):
             break
         await asyncio.sleep(0.02)
     assert sorted(await _scored(io, topics)) == ["t0", "t2", "t3", "t4", "t5"]  # all but the held one
-    group = transport.broker.groups["reward-bridge"]
+    group = transport.broker.groups[topics.group("reward-bridge")]
     assert sum(group.committed.values()) == 1  # committed up to t1, never past it
     scorer.release.set()
     stop.set()

@@ -73,7 +73,7 @@ async def _pipeline(tmp_path, engine, *, n_tasks=6, announce=(), max_inflight=4,
             error = exc
         sub = await io.subscribe([topics.rollouts], "check", Rollout)
         rollouts = [d.message for d in await sub.poll(timeout_s=0.5, max_records=10_000)]
-    group = transport.broker.groups.get("rollout-workers")
+    group = transport.broker.groups.get(topics.group("rollout-workers"))
     committed = sum(group.committed.values()) if group else 0
     return worker, rollouts, committed, error
 

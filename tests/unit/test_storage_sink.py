@@ -79,17 +79,17 @@ async def test_later_flushes_finish_first_but_offsets_commit_in_order(tmp_path):
     await publish(rows[10:20])
     await wait_for(lambda: store.finished == 1)  # the second one lands before it
     await asyncio.sleep(0.5)  # a few idle polls: its offsets must still wait for the first
-    assert transport.broker.groups["storage-sink"].committed.get(tp) is None
+    assert transport.broker.groups[topics.group("storage-sink")].committed.get(tp) is None
     await publish(rows[20:])
     await asyncio.sleep(0.3)
     # Nothing may be committed past the held flush, and no third write starts while two are out.
-    assert transport.broker.groups["storage-sink"].committed.get(tp) is None
+    assert transport.broker.groups[topics.group("storage-sink")].committed.get(tp) is None
     assert store.started == 2 and store.in_flight_max == 2
 
     first.set()
     stop.set()
     await asyncio.wait_for(run, 30)
-    assert transport.broker.groups["storage-sink"].committed[tp] == 40
+    assert transport.broker.groups[topics.group("storage-sink")].committed[tp] == 40
     assert store.in_flight_max == 2
     assert sorted(s.rollout_id for s in LakeReader(store, "r").iter()) == sorted(r.rollout_id for r in rows)
 
