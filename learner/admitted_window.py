@@ -56,27 +56,30 @@ class AdmittedWindow:
         self._read = len(order)
 
     def hold(self, version: int, consumed: int, present: set[str]) -> bool:
-        """Whether a step from ``version`` must wait for the oldest attempt not consumed yet
-        (``present``: attempts the learner holds samples of, which its batches take oldest first)."""
+        """Whether a step from ``version`` must wait for an attempt the workers started and the
+        learner has not seen (``present``: attempts it holds samples of, which its batches take
+        oldest first, or wait for as stragglers). Attempts are looked at in ticket order: a later
+        ticket was started no earlier, so the first one not at risk ends the search."""
         self._take_claims()
         while self._outstanding and self._outstanding[0] in self._consumed:
             self._consumed.discard(self._outstanding.popleft())
-        if not self._outstanding or not self.wait_s:
+        if not self.wait_s:
             return False
-        key = self._outstanding[0]
-        ticket = self.ledger.tickets[key]
-        if ticket - consumed > self.bound or key in present:
-            return False  # not started yet, or here already
-        admitted_from = [v for v, c in self._consumed_at.items() if c >= ticket - self.bound]
-        earliest = min(admitted_from, default=version)
-        if version + 1 - earliest <= self.max_lag:
-            return False
-        now = time.monotonic()
-        if self._holding is None or self._holding[0] != key:
-            self._holding = (key, now)
-            self.waits += 1
-        if now - self._holding[1] > self.wait_s:
-            self._outstanding.popleft()  # waited long enough: it no longer holds the learner back
+        for key in list(self._outstanding):
+            if key in self._consumed or key in present:
+                continue
+            ticket = self.ledger.tickets[key]
+            if ticket - consumed > self.bound:
+                return False  # not started yet, nor anything after it
+            admitted_from = [v for v, c in self._consumed_at.items() if c >= ticket - self.bound]
+            if version + 1 - min(admitted_from, default=version) <= self.max_lag:
+                return False
+            now = time.monotonic()
+            if self._holding is None or self._holding[0] != key:
+                self._holding = (key, now)
+                self.waits += 1
+            if now - self._holding[1] <= self.wait_s:
+                return True
+            self._outstanding.remove(key)  # waited long enough: it no longer holds the learner back
             self._holding = None
-            return False
-        return True
+        return False

@@ -32,6 +32,7 @@ def test_a_step_waits_for_the_oldest_started_attempt_it_would_make_stale():
     # A step from version 1 makes version 2: "a", generated at version 0, would be 2 > 1 versions old.
     assert window.hold(version=1, consumed=8, present=set())
     assert not window.hold(version=1, consumed=8, present={"a/0"})  # it is here: the batch takes it first
+    # The attempts after a present one are still looked at: "b" is consumed, "c" not started yet.
     window.consumed("a/0")
     assert not window.hold(version=1, consumed=16, present=set())  # "c" started at version 1 at the earliest
 
@@ -47,10 +48,12 @@ def test_an_attempt_not_started_yet_holds_nothing_and_a_missing_one_only_for_a_w
     # "c" (ticket 24) could start at version 1 at the earliest: a step from 2 would make it 2 old.
     assert window.hold(version=2, consumed=16, present=set())
     time.sleep(0.3)
-    assert not window.hold(version=2, consumed=16, present=set())  # waited long enough: given up on
-    assert window.waits == 1
-    # "d" (ticket 32) also started at version 1 at the earliest: the same wait, once more.
+    # "c" waited for long enough: given up on. "d" (ticket 32) also started at version 1 at the
+    # earliest: the next wait.
     assert window.hold(version=2, consumed=16, present=set())
+    assert window.waits == 2
+    time.sleep(0.3)
+    assert not window.hold(version=2, consumed=16, present=set())  # nothing else is at risk
     window2 = AdmittedWindow(_ledger("x/0", "y/0", "z/0"), bound=BOUND, max_lag=1, wait_s=30)
     window2.start(0)
     window2.reported(0, 0)
@@ -62,3 +65,12 @@ def test_a_restarted_learner_forgets_what_it_consumed_before():
     window.start(16)  # the checkpoint had consumed 16 samples
     window.reported(5, 16)
     assert not window.hold(version=5, consumed=16, present=set())  # "c" started at version 5 at the earliest
+
+
+def test_an_attempt_behind_one_that_arrived_is_still_waited_for():
+    window = AdmittedWindow(_ledger("a/0", "b/0", "c/0"), bound=BOUND, max_lag=1, wait_s=30)
+    window.start(0)
+    window.reported(0, 0)  # "a" and "b" can start under version 0
+    window.reported(1, 0)
+    # "a" has partly arrived (the learner holds it); "b" has not arrived at all and would be 2 old.
+    assert window.hold(version=1, consumed=0, present={"a/0"})
