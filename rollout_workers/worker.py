@@ -126,8 +126,9 @@ class RolloutWorker:
             self.ledger = await AdmissionLedger.open(io, self.topics, f"rw-{self.worker_id}")
             await self._catch_up(weights, progress)
             tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
-            waiting: list[list] = []  # [delivery, rollouts | None] polled, not yet started
-            order: list[list] = []  # the same entries in poll order (the order they are published in)
+            waiting: list[list] = []  # [delivery, rollouts | None, published] polled, not yet started
+            order: list[list] = []  # entries in start (= ticket) order: the order they are published in
+            polled_order: list[list] = []  # every entry in poll order: the order offsets are committed in
             running: dict[asyncio.Task, list] = {}
             try:
                 while not stop.is_set():
@@ -136,17 +137,18 @@ class RolloutWorker:
                     room = self.max_inflight_tasks - len(running) - len(waiting)
                     if room > 0:
                         polled = [
-                            [d, None] for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)
+                            [d, None, False]
+                            for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)
                         ]
                         if polled:
-                            await self.ledger.claim([(_key(d.message), d.message.group_size) for d, _ in polled])
+                            await self.ledger.claim([(_key(e[0].message), e[0].message.group_size) for e in polled])
                         waiting += polled
-                        order += polled
-                    self._start_admitted(waiting, running)
+                        polled_order += polled
+                    order += self._start_admitted(waiting, running)
                     if running:
                         done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                         self._collect(done, running)
-                        await self._publish_ready(order, publisher, tasks)
+                        await self._publish_ready(order, polled_order, publisher, tasks)
                     elif waiting:  # not admitted yet: wake on the learner's next report or a claim read back
                         await self._follow(weights, progress, wait_s=0.05)
                 # Drain: what is in flight is finished, published and committed; tasks polled but
@@ -154,23 +156,27 @@ class RolloutWorker:
                 while running:
                     done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     self._collect(done, running)
-                await self._publish_ready(order, publisher, tasks)
+                await self._publish_ready(order, polled_order, publisher, tasks)
             finally:
                 for t in running:  # on failure: nothing half-done keeps running
                     t.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
 
-    def _start_admitted(self, waiting: list[list], running: dict) -> None:
-        """Start waiting tasks in ticket order while their tickets are within the bound. A task whose
-        claim has not come back yet waits: its ticket will be later than every ticket known now."""
+    def _start_admitted(self, waiting: list[list], running: dict) -> list[list]:
+        """Start waiting tasks in ticket order while their tickets are within the bound; returns the
+        entries started. A task whose claim has not come back yet waits: its ticket will be later
+        than every ticket known now."""
         waiting.sort(key=lambda e: self.ledger.ticket(_key(e[0].message)) or float("inf"))
+        started = []
         while waiting and len(running) < self.max_inflight_tasks:
             ticket = self.ledger.ticket(_key(waiting[0][0].message))
             if ticket is None or not admissible(ticket, self.consumed, self.bound):
-                return
+                break
             entry = waiting.pop(0)
             self.inflight_samples += entry[0].message.group_size
             running[asyncio.create_task(self._sample(entry[0].message))] = entry
+            started.append(entry)
+        return started
 
     async def _catch_up(self, weights: Subscriber, progress: Subscriber, deadline_s: float = 60.0) -> None:
         """Read the weights and progress topics and the admission ledger to their ends and take the
@@ -198,12 +204,14 @@ class RolloutWorker:
         for t in done:
             running.pop(t)[1] = t.result()  # an engine failure ends the worker here
 
-    async def _publish_ready(self, order: list[list], publisher: Publisher[Rollout], tasks: Subscriber) -> None:
-        """Publish, then commit, the finished prefix of ``order``: groups leave in admission order
-        (a task that finished early waits for the older ones), so the learner consumes them in
-        the order admission control counted them and staleness stays within ``max_lag``. Tasks
-        of partitions a rebalance moved away are not committed: their new owner re-reads them
-        (same rollout ids, absorbed downstream)."""
+    async def _publish_ready(self, order: list[list], polled_order: list[list], publisher: Publisher[Rollout],
+                             tasks: Subscriber) -> None:  # fmt: skip
+        """Publish the finished prefix of ``order`` (groups leave in ticket order: one that finished
+        early waits for the older ones, so the learner consumes them in the order admission
+        counted them), then commit, per partition, the tasks of ``polled_order`` up to the first one
+        not published yet: a task polled and still waiting for admission is never committed past,
+        so a crash regenerates it. Tasks of partitions a rebalance moved away are not committed:
+        their new owner re-reads them (same rollout ids, absorbed downstream)."""
         ready = 0
         while ready < len(order) and order[ready][1] is not None:
             ready += 1
@@ -213,10 +221,22 @@ class RolloutWorker:
         del order[:ready]
         futures = [await publisher.publish(r, r.task_id) for e in entries for r in e[1]]
         await asyncio.gather(*futures)
+        for e in entries:
+            e[2] = True
         self.generated += len(futures)
         self.inflight_samples -= sum(e[0].message.group_size for e in entries)
+        blocked: set[TopicPartition] = set()
+        done, keep = [], []
+        for e in polled_order:
+            tp = TopicPartition(e[0].record.topic, e[0].record.partition)
+            if e[2] and tp not in blocked:
+                done.append(e[0])
+            else:
+                blocked.add(tp)
+                keep.append(e)
+        polled_order[:] = keep
         assigned = tasks.assignment()
-        mine = [e[0] for e in entries if TopicPartition(e[0].record.topic, e[0].record.partition) in assigned]
+        mine = [d for d in done if TopicPartition(d.record.topic, d.record.partition) in assigned]
         try:
             if mine:
                 await tasks.commit(mine)
