@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import structlog
 
@@ -119,13 +120,13 @@ class AdmissionLedger:
         log.warning("admission.catch_up_timeout", read=len(self.tickets), deadline_s=deadline_s)
         return False
 
-    async def _append(self, kind: str, items: Sequence[tuple[str, int]]) -> None:
+    async def _append(self, kind: Literal["claim", "offer"], items: Sequence[tuple[str, int]]) -> None:
         if items:
             await self._pub.publish_and_wait(
                 Admission(
                     run_id=self.run_id,
                     kind=kind,
-                    member=self.member,  # type: ignore[arg-type]
+                    member=self.member,
                     keys=[k for k, _ in items],
                     samples=[n for _, n in items],
                 ),  # fmt: skip

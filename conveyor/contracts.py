@@ -67,7 +67,7 @@ def _packed(value: Any, fmt: str, field_name: str) -> memoryview:
             arr.frombytes(raw)
             arr.byteswap()
             return memoryview(arr)
-        return raw.cast(fmt)
+        return raw.cast(fmt)  # type: ignore[call-overload]  # fmt is one of the struct codes
     arr = array.array(fmt, value)
     if _BIG_ENDIAN and _ITEMSIZE[fmt] > 1:
         # Stored little-endian so that encode can send the buffer as is.
@@ -251,7 +251,7 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
                 if v.format == fmt:
                     continue
                 if v.format == "B" and not _BIG_ENDIAN and len(v) % size == 0:
-                    _force_setattr(self, name, v.cast(fmt))
+                    _force_setattr(self, name, v.cast(fmt))  # type: ignore[call-overload]
                     continue
             _force_setattr(self, name, _packed(v, fmt, name))
         n = len(self.completion_token_ids)

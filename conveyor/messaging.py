@@ -101,7 +101,7 @@ class Publisher(Generic[M]):
         """Enqueue ``msg``; await the result to know the broker has it."""
         raw = encode(msg)
         if self.claim_check is not None and len(raw) > self.claim_check.threshold_bytes:
-            raw = await self.claim_check.wrap(raw, type(msg).__struct_config__.tag)  # type: ignore[attr-defined]
+            raw = await self.claim_check.wrap(raw, str(type(msg).__struct_config__.tag))
             if self.metrics:
                 self.metrics.claim_checked.labels(self.topic).inc()
         fut = await self.producer.send(self.topic, raw, key.encode() if key is not None else None)
@@ -158,7 +158,7 @@ class Subscriber(Generic[M]):
         self,
         transport: Transport,
         topics: Sequence[str],
-        group_id: str,
+        group_id: str | None,
         message_type: type[M],
         *,
         dead_letters: DeadLetterSink,
@@ -210,7 +210,7 @@ class Subscriber(Generic[M]):
                 continue
             if self.metrics:
                 self.metrics.consumed.labels(record.topic).inc()
-            out.append(Delivery(msg, record))
+            out.append(Delivery(msg, record))  # type: ignore[arg-type]  # a ClaimRef was resolved above
         return out
 
     async def commit(self, deliveries: Sequence[Delivery[M]] | None = None) -> None:
@@ -305,7 +305,7 @@ class ServiceClients:
         kwargs.setdefault("metrics", process_metrics())
         return Publisher(self.producer, topic, **kwargs)
 
-    async def subscribe(self, topics: Sequence[str], group_id: str, message_type: type[M], **kwargs) -> Subscriber[M]:
+    async def subscribe(self, topics: Sequence[str], group_id: str | None, message_type: type[M], **kwargs) -> Subscriber[M]:
         from conveyor.metrics import process_metrics
 
         kwargs.setdefault("metrics", process_metrics())

@@ -87,6 +87,7 @@ class CeleryScorer:
         self.poll_s = poll_s
         self.resubmitted = 0
         self._pending: dict[str, _Pending] = {}
+        self._outbox: list[str] = []  # submitted, not sent yet: the collector thread sends them
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -106,11 +107,15 @@ class CeleryScorer:
             if task is None:
                 fut.set_result(Verdict(0.0, "error", Feedback(message="rollout carries no task: nothing says how to verify it")))
                 continue
-            args = [msgspec.to_builtins(task), completion, rollout_id]
-            self.task.apply_async(args=args, task_id=rollout_id)
             with self._lock:
+                waiting = self._pending.get(rollout_id)
+                if waiting is not None:  # already being scored: this caller gets the same verdict
+                    waiting.futures.append((fut, loop))
+                    continue
                 now = time.monotonic()
-                self._pending[rollout_id] = _Pending(fut, loop, args, now, now)
+                args = [msgspec.to_builtins(task), completion, rollout_id]
+                self._pending[rollout_id] = _Pending([(fut, loop)], args, now, now)
+                self._outbox.append(rollout_id)
         self._ensure_collector()
         self._wake.set()
         return out
@@ -128,9 +133,23 @@ class CeleryScorer:
             self._thread.start()
 
     def _collect_forever(self) -> None:
+        """Send what was submitted and read the results, all from this one thread: kombu's
+        connections are not shared between threads, and the rpc:// backend replies to the
+        thread that sent the task."""
         while not self._closed:
             self._wake.wait(self.poll_s)
             self._wake.clear()
+            with self._lock:
+                outbox, self._outbox = self._outbox, []
+                sends = [(rid, self._pending[rid].args) for rid in outbox if rid in self._pending]
+            for rid, args in sends:
+                try:
+                    self.task.apply_async(args=args, task_id=rid)
+                except Exception as exc:  # noqa: BLE001 - the broker is down: sent again below, or infra at the deadline
+                    log.warning("reward_task_not_sent", task_id=rid, error=str(exc)[:300])
+                    with self._lock:
+                        self._outbox.append(rid)
+                    time.sleep(self.poll_s)
             with self._lock:
                 ids = list(self._pending)
             if not ids:
@@ -159,12 +178,11 @@ class CeleryScorer:
                     if p.resubmits >= self.max_resubmits:
                         self._finish(rid, p, Verdict(0.0, "infra", Feedback(message="the reward task's workers kept dying")))
                     else:
+                        stuck_s = now - p.since
                         p.resubmits += 1
                         p.status, p.since = None, now
                         self.resubmitted += 1
-                        log.warning(
-                            "reward_task_resubmitted", task_id=rid, stuck_s=round(now - p.since, 1), resubmits=p.resubmits
-                        )
+                        log.warning("reward_task_resubmitted", task_id=rid, stuck_s=round(stuck_s, 1), resubmits=p.resubmits)
                         self.task.apply_async(args=p.args, task_id=rid)
 
     def _metas(self, ids: list[str]) -> dict[str, dict]:
@@ -185,7 +203,8 @@ class CeleryScorer:
             AsyncResult(rid, app=self.app).forget()
         except Exception as exc:  # noqa: BLE001 - the result expires by itself (result_expires)
             log.warning("reward_result_not_forgotten", task_id=rid, error=str(exc)[:200])
-        p.loop.call_soon_threadsafe(_resolve, p.future, verdict)
+        for fut, loop in p.futures:
+            loop.call_soon_threadsafe(_resolve, fut, verdict)
 
     def close(self) -> None:
         self._closed = True
@@ -197,8 +216,7 @@ class CeleryScorer:
 
 @dataclass
 class _Pending:
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    futures: list[tuple[asyncio.Future, asyncio.AbstractEventLoop]]  # every caller waiting for this rollout
     args: list
     submitted_at: float
     since: float  # when the task's state last changed (as this scorer saw it)

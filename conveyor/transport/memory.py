@@ -124,7 +124,7 @@ class MemoryConsumer:
         self,
         broker: MemoryBroker,
         topics: Sequence[str],
-        group_id: str,
+        group_id: str | None,
         from_beginning: bool,
         on_assigned: RebalanceCallback | None,
         on_revoked: RebalanceCallback | None,
@@ -167,6 +167,7 @@ class MemoryConsumer:
             await self._on_revoked(revoked)
         for tp in revoked:
             self._positions.pop(tp, None)
+        assert self.group_id is not None  # only group members are reassigned
         group = self._broker.groups[self.group_id]
         for tp in added:
             committed = group.committed.get(tp)
