@@ -63,7 +63,7 @@ class RewardBridge:
         self.topics = topics
         self.scorer = scorer  # reward.scorers.LocalScorer | CeleryScorer
         self.decode_text = decode_text  # token ids -> text (the model's tokenizer)
-        self.group_id = group_id or topics.group("reward-bridge")
+        self.group_id = group_id or (topics.group("reward-bridge") if topics is not None else None)
         self.max_batch = max_batch  # rollouts taken per poll
         self.max_inflight = max_inflight  # rollouts polled and not yet published
         self.drain_timeout_s = drain_timeout_s
@@ -123,22 +123,29 @@ class RewardBridge:
         if not fresh:
             return
         rollouts = [r for _, r in fresh.values()]
+        texts, futures = self._submit(rollouts)
+        for (entry, r), text, fut in zip(fresh.values(), texts, futures):
+            self._scoring[fut] = (entry, r, text)
+
+    def _submit(self, rollouts: list[Rollout]) -> tuple[list[str], list[asyncio.Future]]:
+        """Each rollout's completion text, and a future of its verdict."""
         texts = [self.decode_text(r.completion_token_ids.tolist()) for r in rollouts]
         # A multi-turn episode is judged by its last attempt.
         attempts = [t if (a := _judged_text(r)) is None else a for r, t in zip(rollouts, texts)]
-        futures = self.scorer.submit([(r.task, a, r.rollout_id) for r, a in zip(rollouts, attempts)])
-        for (entry, r), text, fut in zip(fresh.values(), texts, futures):
-            self._scoring[fut] = (entry, r, text)
+        return texts, self.scorer.submit([(r.task, a, r.rollout_id) for r, a in zip(rollouts, attempts)])
+
+    async def score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
+        """What the bridge publishes for ``rollouts``, without a topic (for tests and replays)."""
+        texts, futures = self._submit(rollouts)
+        verdicts = await asyncio.gather(*futures)
+        return [_scored(r, v, t) for r, v, t in zip(rollouts, verdicts, texts)]
 
     async def _publish(self, done: set[asyncio.Future], publisher: Publisher[ScoredRollout]) -> None:
         """Publish the verdicts that came back; an entry is done once the broker acknowledged it."""
         acks, entries = [], []
         for fut in done:
             entry, r, text = self._scoring.pop(fut)
-            v = fut.result()
-            s = ScoredRollout(rollout=r, reward=v.reward, verdict=v.verdict, feedback=v.feedback, details=v.details,  # type: ignore[arg-type]
-                              completion_text=text)  # fmt: skip
-            acks.append(await publisher.publish(s, r.task_id))
+            acks.append(await publisher.publish(_scored(r, fut.result(), text), r.task_id))
             entries.append(entry)
         await asyncio.gather(*acks)
         for entry in entries:
@@ -174,6 +181,17 @@ class RewardBridge:
         self._seen[rollout_id] = None
         if len(self._seen) > SEEN_WINDOW:
             self._seen.popitem(last=False)
+
+
+def _scored(rollout: Rollout, v, text: str) -> ScoredRollout:
+    return ScoredRollout(
+        rollout=rollout,
+        reward=v.reward,
+        verdict=v.verdict,
+        feedback=v.feedback,
+        details=v.details,
+        completion_text=text,
+    )
 
 
 def _judged_text(rollout: Rollout) -> str | None:

@@ -61,7 +61,7 @@ async def test_episodes_feed_execution_feedback_back(tmp_path):
         k += n
     # The bridge judges the last attempt, not the spliced transcript.
     bridge = RewardBridge(None, None, scorer, engine.decode)
-    scored = await bridge._score(rollouts)
+    scored = await bridge.score(rollouts)
     last = [
         verdicts[sum(sum(t.role == "assistant" for t in q.turns) for q in rollouts[: i + 1]) - 1] for i in range(len(rollouts))
     ]

@@ -84,7 +84,7 @@ async def test_worker_runs_tool_episodes(tmp_path):
     assert any(c for r in rollouts for t in r.turns for c in t.tool_calls), "no episode made a call"
     # The bridge judges a tool episode by its net script: the same verdicts as scoring the scripts.
     bridge = RewardBridge(None, None, LocalScorer(sandbox), engine.decode)
-    scored = await bridge._score(rollouts)
+    scored = await bridge.score(rollouts)
     scripts = [tool_episode_script(r.turns) for r in rollouts]
     direct = score_batch(sandbox, [(r.task, s if s is not None else engine.decode(r.completion_token_ids.tolist()))
                                    for r, s in zip(rollouts, scripts)])  # fmt: skip
