@@ -63,7 +63,7 @@ class DemoConfig:
     # learner waits for batches half of the time, so a second update costs it little wall time. In the
     # same hour they reached 0.85 no sooner than one, and at lr 5e-4 about one seed-0 CI run in three
     # unlearnt a[0] (its reward ~1.0 -> 0.0 within four versions) and never recovered; one update did
-    # not in twelve runs (docs/BENCHMARKS.md, "A late regression in the CI demo").
+    # not in twelve runs (docs/BENCHMARKS.md, "One update per batch, and the CI demo's margins").
     updates_per_batch: int = 1
     # The engine and the learner's optimizer steps each in a child process (rollout_workers/process_engine.py,
     # learner/step_process.py): as threads of one process they contend for the GIL with each other and with
