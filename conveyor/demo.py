@@ -166,7 +166,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     await transport.create_topics(topics.specs(4))
     batch_samples = cfg.batch_groups * cfg.group_size
     max_lag = 0 if cfg.sync else cfg.max_lag
-    producer = TaskProducer(transport, topics, ctx["tasks"], learner_batch_samples=batch_samples, max_lag=max_lag)
+    producer = TaskProducer(transport, topics, ctx["tasks"], learner_batch_samples=batch_samples)
     worker = RolloutWorker(
         transport,
         topics,

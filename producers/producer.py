@@ -38,7 +38,6 @@ class TaskProducer:
         tasks: Iterator[Task],
         *,
         learner_batch_samples: int,
-        max_lag: int = 1,
         store=None,
         curriculum=None,
     ) -> None:
@@ -46,8 +45,6 @@ class TaskProducer:
         self.topics = topics
         self.tasks = tasks
         self.learner_batch_samples = learner_batch_samples
-        self.max_lag = max_lag
-        self.published_samples = 0  # by this process
         self.ledger: AdmissionLedger | None = None
         # With an object store, the stream's position survives a restart (a deterministic stream
         # would otherwise be republished from the start: duplicates, absorbed downstream, but wasted).
@@ -130,7 +127,6 @@ class TaskProducer:
                             return
                         await pub.publish_and_wait(task, key=task.task_id)
                         offered.append((attempt_key(task.task_id, task.attempt), task.group_size))
-                        self.published_samples += task.group_size
                         self.position += 1
                 finally:
                     await self.ledger.offer(offered)

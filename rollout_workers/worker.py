@@ -97,7 +97,6 @@ class RolloutWorker:
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
         """Rollouts published (acknowledged by the broker)."""
-        self.inflight_samples = 0
         self.consumed = 0
         """Samples the learner had consumed when it published the version this worker serves:
         what admission counts against. A worker that has not swapped to the newest version yet
@@ -173,7 +172,6 @@ class RolloutWorker:
             if ticket is None or not admissible(ticket, self.consumed, self.bound):
                 break
             entry = waiting.pop(0)
-            self.inflight_samples += entry[0].message.group_size
             running[asyncio.create_task(self._sample(entry[0].message))] = entry
             started.append(entry)
         return started
@@ -224,7 +222,6 @@ class RolloutWorker:
         for e in entries:
             e[2] = True
         self.generated += len(futures)
-        self.inflight_samples -= sum(e[0].message.group_size for e in entries)
         blocked: set[TopicPartition] = set()
         done, keep = [], []
         for e in polled_order:

@@ -360,7 +360,7 @@ def producer(config: Path = CONFIG) -> None:
 
             store = await wait_for_object_store(cfg.object_store)
             prod = TaskProducer(transport, topics, tasks, learner_batch_samples=cfg.learner.batch_groups * pc.group_size,
-                                max_lag=cfg.learner.max_lag, store=store, curriculum=curriculum)  # fmt: skip
+                                store=store, curriculum=curriculum)  # fmt: skip
             jobs.append(asyncio.create_task(prod.run(stop)))
         stopper = asyncio.create_task(stop.wait())
         try:
