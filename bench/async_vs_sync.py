@@ -225,11 +225,11 @@ class OfflineEval:
     """Held-out greedy pass rate of a run's published versions, read back from its store."""
 
     def __init__(self, result, out_dir: Path, heldout: int) -> None:
-        from conveyor.demo import Evaluator
-        from producers.suites.pyexpr import heldout_set, to_task
-        from reward.sandbox import Sandbox, SandboxLimits
+        from conveyor.objectstore import LocalObjectStore
+        from launch.demo import Evaluator
         from rollout_workers.reference_engine import ReferenceEngine
-        from storage.objectstore import LocalObjectStore
+        from sandbox.runner import Sandbox, SandboxLimits
+        from tasks.suites.pyexpr import heldout_set, to_task
 
         self.run_id = result.run_dir.name
         self.model_dir = result.run_dir / "model"
@@ -250,10 +250,12 @@ class OfflineEval:
         if version not in self.rates:
             from safetensors.torch import load, load_file
 
+            from conveyor import keys
+
             if version == 0:  # the warmed-up model the run started from
                 state = load_file(self.model_dir / "model.safetensors")
             else:
-                state = load(self.store.get(f"runs/{self.run_id}/weights/v{version:06d}/model.safetensors"))
+                state = load(self.store.get(keys.weights_key(self.run_id, version)))
             self.engine.load_state_dict(state, version)
             self.rates[version] = self.evaluator.pass_rate()
         return self.rates[version]
@@ -266,7 +268,7 @@ class OfflineEval:
 
 
 def main() -> None:
-    from conveyor.demo import DemoConfig, run_demo
+    from launch.demo import DemoConfig, run_demo
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])

@@ -47,9 +47,9 @@ def prepare_model(model_dir: Path, warmup_steps: int = 800, seed: int = 0) -> Pa
     """The demo's tiny policy, warmed up (the default model of ``conveyor run``)."""
     import torch
 
-    from conveyor.demo import DemoConfig, _warmup
+    from launch.demo import DemoConfig, _warmup
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     if (model_dir / "config.json").exists():
         return model_dir
@@ -106,10 +106,10 @@ def read_topic(kafka: dict, topic: str, typ) -> list:
 
 def heldout_pass_rate(model_dir: Path, state: dict | None = None, size: int = 100) -> float:
     """The demo's greedy held-out pass rate of ``model_dir`` (with ``state``'s weights, if given)."""
-    from conveyor.demo import Evaluator
-    from producers.suites.pyexpr import heldout_set, to_task
-    from reward.sandbox import Sandbox, SandboxLimits
+    from launch.demo import Evaluator
     from rollout_workers.reference_engine import ReferenceEngine
+    from sandbox.runner import Sandbox, SandboxLimits
+    from tasks.suites.pyexpr import heldout_set, to_task
 
     engine = ReferenceEngine(model_dir, seed=0)
     if state is not None:
@@ -125,8 +125,10 @@ def heldout_pass_rate(model_dir: Path, state: dict | None = None, size: int = 10
 def newest_weights(store, run_id: str) -> dict | None:
     from safetensors.torch import load
 
-    keys = sorted(i.key for i in store.list(f"runs/{run_id}/weights/") if i.key.endswith("model.safetensors"))
-    return load(store.get(keys[-1])) if keys else None
+    from conveyor import keys
+
+    versions = sorted(v for i in store.list(keys.weights_prefix(run_id)) if (v := keys.weights_version(i.key)) is not None)
+    return load(store.get(keys.weights_key(run_id, versions[-1]))) if versions else None
 
 
 def learner_figures(rows: list[dict], scored: int) -> dict:
@@ -168,8 +170,8 @@ def run_distributed(work: Path, kafka: dict, s3: dict, redis_url: str, *, second
     """One run of ``seconds`` of RL; returns its figures (and the run's config and model)."""
     from conveyor.config import parse_run_config
     from conveyor.contracts import Rollout, ScoredRollout
-    from conveyor.orchestrate import Supervisor, write_run_config
     from conveyor.topics import Topics
+    from launch.supervisor import Supervisor, write_run_config
 
     model_dir = prepare_model(work / "model", warmup_steps)
     run_id = f"dist-{uuid.uuid4().hex[:6]}"
@@ -191,7 +193,7 @@ def run_distributed(work: Path, kafka: dict, s3: dict, redis_url: str, *, second
     rollouts = {r.rollout_id: r for r in read_topic(kafka, topics.rollouts, Rollout)}
     rows = [json.loads(line) for line in (work / run_id / "metrics.jsonl").read_text().splitlines() if line.strip()]
     figures = learner_figures(rows, len(scored))
-    from storage.objectstore import S3ObjectStore
+    from conveyor.objectstore import S3ObjectStore
 
     store = S3ObjectStore(cfg.object_store)
     start_rate = heldout_pass_rate(model_dir)
@@ -212,9 +214,9 @@ def bridge_rate(work: Path, kafka: dict, s3: dict, redis_url: str, rollouts: lis
     republished to a fresh run's topic, then timed from the first scored to the last."""
     from conveyor.config import KafkaTransportConfig
     from conveyor.contracts import ScoredRollout, encode
-    from conveyor.orchestrate import write_run_config
     from conveyor.topics import Topics
     from conveyor.transport.kafka import KafkaTransport
+    from launch.supervisor import write_run_config
 
     rollouts = rollouts[:limit]
     run_id = f"bridge-{uuid.uuid4().hex[:6]}"
@@ -233,7 +235,7 @@ def bridge_rate(work: Path, kafka: dict, s3: dict, redis_url: str, rollouts: lis
         await t.close()
 
     asyncio.run(publish())
-    serve = [sys.executable, "-m", "conveyor.cli.main", "serve"]
+    serve = [sys.executable, "-m", "launch.cli.main", "serve"]
     logs = work / run_id / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     procs = [subprocess.Popen([*serve, "reward-worker", "--config", str(path), "--concurrency", "1", "--hostname", f"b{i}@%h"],
@@ -299,8 +301,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("runs/bench-distributed"))
     args = ap.parse_args()
 
-    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
-    from conveyor.stack.manager import Stack, pid_alive
+    from launch.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
+    from launch.stack.manager import Stack, pid_alive
 
     st = Stack(None)
     if not {"kafka", "s3", "redis"} <= {n for n, c in st.read_state().items() if pid_alive(c.pid)}:

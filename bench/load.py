@@ -72,10 +72,10 @@ def main() -> None:
     if args.minutes < args.warmup_minutes + 1.5:
         ap.error("--minutes must exceed --warmup-minutes by 1.5 at least (a minute to set the level, then samples to compare)")
 
-    from conveyor.cli.run import _default_model
     from conveyor.config import load_run_config
-    from conveyor.orchestrate import Supervisor, resolve_for_stack, write_run_config
-    from conveyor.stack.manager import Stack, StackPorts, free_port_block
+    from launch.cli.run import _default_model
+    from launch.stack.manager import Stack, StackPorts, free_port_block
+    from launch.supervisor import Supervisor, resolve_for_stack, write_run_config
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-load-"))
     stack = Stack(tmp / "stack", StackPorts.from_base(free_port_block()))

@@ -36,13 +36,13 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conveyor.demo import Evaluator
+    from conveyor.objectstore import LocalObjectStore
+    from launch.demo import Evaluator
     from learner.offline import dpo_pairs, rejection_sampling_sft, train_dpo
-    from producers.suites.pyexpr import heldout_set, to_task
-    from reward.sandbox import Sandbox, SandboxLimits
     from rollout_workers.reference_engine import ReferenceEngine
+    from sandbox.runner import Sandbox, SandboxLimits
     from storage.lake import LakeReader
-    from storage.objectstore import LocalObjectStore
+    from tasks.suites.pyexpr import heldout_set, to_task
 
     run_dir = args.run_dir.resolve()
     run_id = json.loads((run_dir / "config.json").read_text())["run_id"]

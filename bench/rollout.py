@@ -59,11 +59,11 @@ async def through_worker(engine, texts, n, max_tokens, root: Path, *, swap: bool
 
     from conveyor.contracts import Rollout, SamplingParams, Task, WeightsAnnouncement
     from conveyor.messaging import ServiceClients
+    from conveyor.objectstore import LocalObjectStore
     from conveyor.topics import Topics
     from conveyor.transport.memory import MemoryTransport
     from rollout_workers.engine import SamplingRequest
     from rollout_workers.worker import RolloutWorker
-    from storage.objectstore import LocalObjectStore
 
     topics = Topics("bench")
     transport = MemoryTransport(partitions=4)
@@ -168,7 +168,7 @@ async def main(args) -> None:
     print(f"greedy, repetitive prompts: plain {plain_s:.2f} s, n-gram speculation {spec_s:.2f} s, "
           f"identical outputs: {spec_out == plain_out}", flush=True)  # fmt: skip
 
-    from producers.suites.pyexpr import ALPHABET as DEMO_ALPHABET
+    from tasks.suites.pyexpr import ALPHABET as DEMO_ALPHABET
 
     create_tiny_llama(root / "demo" / "m", DEMO_ALPHABET, seed=0, heads=3)  # the demo model, as `--engine vllm` makes it
     demo = vllm_engine(root / "demo" / "m", max_model_len=64)

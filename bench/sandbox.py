@@ -50,7 +50,7 @@ def bare(n: int, concurrency: int) -> float:
 
 
 def sandboxed(sandbox, n: int, batch: int, concurrency: int) -> float:
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     jobs = [Job(f"print({i})") for i in range(n)]
     t0 = time.perf_counter()
@@ -64,7 +64,7 @@ def sandboxed(sandbox, n: int, batch: int, concurrency: int) -> float:
 
 def one_per_call(sandboxes, n: int) -> float:
     """One program per call, one thread per sandbox (a Celery pool process each)."""
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(sandboxes)) as pool:
@@ -87,8 +87,8 @@ def cpu_per_job(sandbox, batches: int = 40, size: int = 24) -> float:
 
 
 def snapshot_latency(sandbox, iterations: int) -> tuple[list[float], list[float]]:
-    from reward.sandbox import Job
-    from reward.workspace import Workspace
+    from sandbox.runner import Job
+    from sandbox.workspace import Workspace
 
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--snapshots", type=int, default=30)
     args = ap.parse_args()
 
-    from reward.sandbox import Sandbox, SandboxLimits
+    from sandbox.runner import Sandbox, SandboxLimits
 
     sandbox = Sandbox(SandboxLimits(timeout_s=5.0), parallel=args.concurrency)
     cold = [Sandbox(SandboxLimits(timeout_s=5.0), parallel=1) for _ in range(args.concurrency)]

@@ -29,9 +29,9 @@ import time
 
 def restart_times(cycles: int, election_flag: bool) -> list[float]:
     from conveyor.config import S3StoreConfig
-    from conveyor.stack import components, manager
-    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
-    from storage.objectstore import S3ObjectStore
+    from conveyor.objectstore import S3ObjectStore
+    from launch.stack import components, manager
+    from launch.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
 
     build = components.s3_component
 

@@ -77,7 +77,7 @@ def one_run(
     learner_process: bool,
     updates_per_batch: int,
 ) -> dict:
-    import conveyor.demo as demo
+    import launch.demo as demo
     import learner.recipe
     import reward.scorers
     import rollout_workers.process_engine
@@ -113,7 +113,7 @@ def one_run(
 
 
 def main() -> None:
-    from conveyor.demo import DemoConfig
+    from launch.demo import DemoConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,7 @@ ARMS = [
 
 
 def main() -> None:
-    from conveyor.demo import DemoConfig, run_demo
+    from launch.demo import DemoConfig, run_demo
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)

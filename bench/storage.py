@@ -168,9 +168,9 @@ def main() -> None:
         storage.lake.COMPRESSION = args.compression
 
     from conveyor.config import KafkaTransportConfig, S3StoreConfig
-    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
-    from conveyor.stack.manager import Stack, StackPorts, free_port_block
-    from storage.objectstore import S3ObjectStore
+    from conveyor.objectstore import S3ObjectStore
+    from launch.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
+    from launch.stack.manager import Stack, StackPorts, free_port_block
 
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(tmp, StackPorts.from_base(free_port_block()))

@@ -189,7 +189,7 @@ def main() -> None:
     stack = None
     bootstrap = args.bootstrap
     if bootstrap is None:
-        from conveyor.stack.manager import Stack, StackPorts, free_port_block
+        from launch.stack.manager import Stack, StackPorts, free_port_block
 
         stack = Stack(tempfile.mkdtemp(prefix="conveyor-bench-"), StackPorts.from_base(free_port_block()))
         stack.up(["kafka"])

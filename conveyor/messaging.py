@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import structlog
 
+from conveyor import keys
 from conveyor.contracts import (
     ClaimRef,
     DeadLetter,
@@ -46,8 +47,8 @@ from conveyor.transport.base import Consumer, Producer, Record, SendResult, Topi
 
 if TYPE_CHECKING:
     from conveyor.metrics import TransportMetrics
+    from conveyor.objectstore import ObjectStore
     from conveyor.topics import Topics
-    from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
 HEARTBEAT_S = 5.0
@@ -71,7 +72,7 @@ class ClaimCheck:
         if len(raw) <= self.threshold_bytes:
             return raw
         sha = hashlib.sha256(raw).hexdigest()
-        key = f"{self.prefix}/{sha[:2]}/{sha}"
+        key = keys.claim_key(self.prefix, sha)
         await asyncio.to_thread(self.store.put_if_absent, key, raw)
         ref = ClaimRef(key=key, uri=self.store.uri(key), sha256=sha, size=len(raw), message_type=message_type)
         return encode(ref)

@@ -19,21 +19,18 @@ import random
 
 import torch
 
-from storage.objectstore import ObjectNotFound, ObjectStore
-
-
-def _prefix(run_id: str) -> str:
-    return f"runs/{run_id}/checkpoints/"
+from conveyor import keys
+from conveyor.objectstore import ObjectNotFound, ObjectStore
 
 
 def save_checkpoint(store: ObjectStore, run_id: str, state: dict, step: int, keep: int = 2) -> str:
     state = dict(state, rng={"torch": torch.get_rng_state(), "python": random.getstate()})
     buf = io.BytesIO()
     torch.save(state, buf)
-    key = f"{_prefix(run_id)}step-{step:09d}.pt"
+    key = keys.checkpoint_key(run_id, step)
     info = store.put(key, buf.getvalue())
-    store.put(f"{_prefix(run_id)}latest.json", json.dumps({"key": key, "step": step, "sha256": info.sha256}).encode())
-    older = sorted(i.key for i in store.list(_prefix(run_id) + "step-"))[:-keep]
+    store.put(keys.checkpoint_pointer_key(run_id), json.dumps({"key": key, "step": step, "sha256": info.sha256}).encode())
+    older = sorted(i.key for i in store.list(keys.checkpoint_steps_prefix(run_id)))[:-keep]
     for k in older:
         store.delete(k)
     return key
@@ -42,7 +39,7 @@ def save_checkpoint(store: ObjectStore, run_id: str, state: dict, step: int, kee
 def load_latest(store: ObjectStore, run_id: str) -> dict | None:
     """The newest checkpoint's state (RNG states restored), or None if there is none."""
     try:
-        pointer = json.loads(store.get(f"{_prefix(run_id)}latest.json"))
+        pointer = json.loads(store.get(keys.checkpoint_pointer_key(run_id)))
     except ObjectNotFound:
         return None
     data = store.get(pointer["key"], sha256=pointer.get("sha256"))

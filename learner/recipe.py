@@ -78,12 +78,12 @@ import structlog
 from conveyor.admission import AdmissionLedger
 from conveyor.contracts import LearnerProgress, ScoredRollout, WeightsAnnouncement, attempt_key
 from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
+from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import TopicPartition, Transport
 from learner.distributed import RankGroup, full_model_state, full_optimizer_state, load_full_state, split_by_tokens
 from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs, group_advantages
 from learner.packing import LogprobHead, pack_sequences, packed_completion_logprobs, shares_prompts
-from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
 

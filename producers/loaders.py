@@ -58,7 +58,7 @@ from conveyor.topics import validate_run_id
 
 OnError = Literal["skip", "fail"]
 
-# Verifier kinds the reward service knows (reward/verifiers.py), and the payload
+# Verifier kinds the reward service knows (tasks/verifiers.py), and the payload
 # keys each one cannot do without.
 KNOWN_VERIFIERS: dict[str, tuple[str, ...]] = {
     "python_program": (),

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import structlog
 
+from conveyor import keys
 from conveyor.admission import AdmissionLedger
 from conveyor.contracts import ScoredRollout, Task, attempt_key
 from conveyor.messaging import Publisher, ServiceClients
@@ -51,7 +52,7 @@ class TaskProducer:
         self.store = store if curriculum is None else None  # a curriculum's order is not a replayable position
         self.curriculum = curriculum  # producers.curriculum.Curriculum: fed the scored groups
         self._group_rewards: dict[tuple[str, int], list[float]] = {}
-        self._position_key = f"runs/{topics.run_id}/producer/position.json"
+        self._position_key = keys.producer_position_key(topics.run_id)
         self.position = 0
         self._saved_at = 0.0
 
@@ -61,7 +62,7 @@ class TaskProducer:
             return 0
         import json
 
-        from storage.objectstore import ObjectNotFound
+        from conveyor.objectstore import ObjectNotFound
 
         try:
             return int(json.loads(self.store.get(self._position_key))["tasks"])

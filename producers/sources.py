@@ -15,7 +15,7 @@ SUITES = ("pyexpr", "python_functions", "terminal", "math_numeric", "tool_calls"
 def suite_stream(name: str, run_id: str, group_size: int, *, seed: int = 0, max_tasks: int | None = None) -> Iterator[Task]:
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; built in: {', '.join(SUITES)}")
-    mod = importlib.import_module(f"producers.suites.{name}")
+    mod = importlib.import_module(f"tasks.suites.{name}")
     rng = random.Random(seed)
     if name == "pyexpr":
         stream = (mod.to_task(p, run_id, group_size, i) for i, p in enumerate(mod.sample_problems(rng)))
@@ -39,5 +39,5 @@ def suite_tasks(name: str, run_id: str, group_size: int) -> list[Task]:
     """One task per train problem of a finite suite (what a curriculum schedules)."""
     if name == "pyexpr" or name not in SUITES:
         raise ValueError(f"suite {name!r} has no finite problem list: use one of {', '.join(SUITES[1:])}")
-    mod = importlib.import_module(f"producers.suites.{name}")
+    mod = importlib.import_module(f"tasks.suites.{name}")
     return [mod.to_task(p, run_id, group_size, i) for i, p in enumerate(p for p in mod.problems() if p.split == "train")]

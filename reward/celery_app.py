@@ -56,7 +56,7 @@ def _worker_sandbox(reward: RewardConfig):
     global _sandbox
     with _sandbox_lock:
         if _sandbox is None:
-            from reward.sandbox import Sandbox, SandboxLimits
+            from sandbox.runner import Sandbox, SandboxLimits
 
             _sandbox = Sandbox(
                 SandboxLimits(
@@ -135,7 +135,7 @@ def make_app(cfg: RunConfig) -> Celery:
         max_retries=reward.max_retries,
     )
     def score(self, task: dict, completion: str, rollout_id: str) -> dict[str, Any]:
-        from reward.verifiers import score_batch
+        from tasks.verifiers import score_batch
 
         t = msgspec.convert(task, Task)
         [v] = score_batch(_worker_sandbox(reward), [(t, completion)])

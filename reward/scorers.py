@@ -1,7 +1,7 @@
 """How the bridge gets rewards: in this process, or from Celery workers.
 
 Both take ``(task, completion, rollout_id)`` items and return one
-:class:`~reward.verifiers.Verdict` per item, in order.
+:class:`~tasks.verifiers.Verdict` per item, in order.
 
 - :class:`LocalScorer` (embedded mode): one sandbox launch per batch in a
   worker thread; identical programs of a batch run once.
@@ -29,7 +29,7 @@ from celery import states
 from celery.result import AsyncResult
 
 from conveyor.contracts import Feedback, Task
-from reward.verifiers import Verdict, score_batch
+from tasks.verifiers import Verdict, score_batch
 
 log = structlog.get_logger(__name__)
 Item = tuple[Task | None, str, str]  # (task, completion text, rollout id)

@@ -226,26 +226,3 @@ class BatchingEngine:
 
 def _aborted(req: SamplingRequest, version: int) -> list[Completion]:
     return [Completion([], [], "abort", version) for _ in range(req.n)]
-
-
-def open_engine(rollout_cfg, model_dir):
-    """The engine a ``RolloutConfig`` names, serving ``model_dir`` (started by the worker)."""
-    if rollout_cfg.engine == "vllm":
-        from rollout_workers.vllm_engine import VLLMEngine
-
-        v = rollout_cfg.vllm
-        return VLLMEngine(
-            model_dir,
-            seed=rollout_cfg.seed,
-            dtype=v.dtype,
-            max_model_len=v.max_model_len,
-            max_num_seqs=v.max_num_seqs,
-            kv_cache_memory_bytes=v.kv_cache_mb << 20 if v.kv_cache_mb else None,
-            gpu_memory_utilization=v.memory_utilization,
-            speculative_config=v.speculative,
-            trust_speculative_logprobs=v.trust_speculative_logprobs,
-            enforce_eager=v.enforce_eager,
-        )
-    from rollout_workers.reference_engine import ReferenceEngine
-
-    return BatchingEngine(ReferenceEngine(model_dir, seed=rollout_cfg.seed, threads=rollout_cfg.threads or None))

@@ -14,7 +14,7 @@ episode's completion is ``attempt_1 + observation_1 + attempt_2 + ...``;
 observation tokens carry loss mask 0 and logprob 0 (they were not sampled),
 and each attempt's version segments are shifted to its place in the episode.
 The text of every turn is kept in ``Rollout.turns``; the bridge scores the
-last attempt (a tool episode: its net script, see rollout_workers/tools.py).
+last attempt (a tool episode: its net script, see tasks/terminal_tools.py).
 Observations are plain text appended to the token stream; a chat model's
 template is applied to the task's messages, not re-applied around each
 observation (a chat-formatted observation turn is not built).
@@ -78,11 +78,11 @@ async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: Sam
                        max_context_tokens: int, episode_id: str, sandbox=None) -> list[tuple[Completion, Episode]]:  # fmt: skip
     """The group's episodes; each result pairs the spliced completion with its episode record.
     With a ``sandbox`` and a ``terminal`` task, turns are tool calls in a persistent workspace
-    (rollout_workers/tools.py); otherwise each attempt is judged and its feedback fed back."""
+    (tasks/terminal_tools.py); otherwise each attempt is judged and its feedback fed back."""
     tool_mode = sandbox is not None and task.verifier.kind == "terminal"
     sessions = None
     if tool_mode:
-        from rollout_workers.tools import ToolEpisode
+        from tasks.terminal_tools import ToolEpisode
 
         sessions = await asyncio.to_thread(lambda: [ToolEpisode(sandbox, task) for _ in range(first.n)])
     try:
@@ -134,11 +134,11 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
 
 def _tool_turn(sessions, episodes: list[Episode], texts: dict[int, str], active: list[int]) -> dict[int, str]:
     """Run each active episode's call in its workspace; the observations of those that go on."""
-    from rollout_workers.tools import as_command, parse_call
+    from tasks.terminal_tools import as_command, parse_turn
 
     out = {}
     for i in active:
-        call = parse_call(texts[i])
+        call = parse_turn(texts[i])
         if call is None:  # the model is done
             continue
         observation, kept = sessions[i].call(call)

@@ -14,7 +14,7 @@ import multiprocessing
 import threading
 from pathlib import Path
 
-from rollout_workers.reference_engine import Tokenizing
+from rollout_workers.tokenizing import Tokenizing
 
 
 def _serve(conn, model_dir: str, seed: int, threads: int) -> None:

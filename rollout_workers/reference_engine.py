@@ -18,28 +18,7 @@ from pathlib import Path
 
 from conveyor.hf import cache_keyword, left_padded
 from rollout_workers.engine import Completion, WeightsRejected
-
-
-class Tokenizing:
-    """Encoding and decoding with the model's tokenizer (``self.tokenizer``)."""
-
-    tokenizer = None
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def encode_prompt(self, prompt: str | None, messages=None) -> list[int]:
-        """A task's prompt: plain text as is; chat messages through the model's chat template
-        (``role: content`` lines, then ``assistant:``, for a tokenizer without one)."""
-        if not messages:
-            return self.encode(prompt or "")
-        turns = [{"role": m.role, "content": m.content} for m in messages]
-        if getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
-        return self.encode("".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: ")
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+from rollout_workers.tokenizing import Tokenizing
 
 
 class ReferenceEngine(Tokenizing):

@@ -44,7 +44,7 @@ from pathlib import Path
 import structlog
 
 from rollout_workers.engine import Completion, SamplingRequest, check_weights
-from rollout_workers.reference_engine import Tokenizing
+from rollout_workers.tokenizing import Tokenizing
 
 log = structlog.get_logger(__name__)
 

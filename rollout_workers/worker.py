@@ -54,11 +54,11 @@ from conveyor.contracts import (
 from conveyor.errors import ChecksumMismatch
 from conveyor.messaging import Publisher, ServiceClients, Subscriber
 from conveyor.metrics import process_rollout_metrics
+from conveyor.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected
 from rollout_workers.multiturn import run_episodes
-from storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 
 log = structlog.get_logger(__name__)
 

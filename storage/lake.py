@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from conveyor import keys
 from conveyor.contracts import (
     Feedback,
     Rollout,
@@ -51,7 +52,7 @@ from conveyor.contracts import (
     Turn,
     VersionSegment,
 )
-from storage.objectstore import ObjectNotFound, ObjectStore, sha256_hex
+from conveyor.objectstore import ObjectNotFound, ObjectStore, sha256_hex
 
 
 def _required_list(value_type: pa.DataType) -> pa.DataType:
@@ -99,18 +100,10 @@ _DICT_COLUMNS = [f.name for f in SCHEMA if pa.types.is_string(f.type)]
 _STAT_COLUMNS = ["rollout_id", "policy_version_min", "policy_version_max", "reward", "verdict", "scored_at"]
 
 
-def lake_prefix(run_id: str) -> str:
-    return f"runs/{run_id}/lake/"
-
-
 def part_key(run_id: str, policy_version: int, rollout_ids: Sequence[str]) -> str:
+    """A part's key names its rows: the same rollouts flushed twice land on the same key."""
     digest = hashlib.sha256("\n".join(sorted(rollout_ids)).encode()).hexdigest()[:32]
-    return f"{lake_prefix(run_id)}policy_version={policy_version}/part-{digest}.parquet"
-
-
-def manifest_key(part: str) -> str:
-    run_prefix, _, rest = part.partition("/lake/")
-    return f"{run_prefix}/lake/_manifest/{rest.rsplit('/', 1)[-1].removesuffix('.parquet')}.json"
+    return keys.lake_part_key(run_id, policy_version, digest)
 
 
 def _offsets(views: list[memoryview]) -> np.ndarray:
@@ -325,7 +318,7 @@ def write_parts(store: ObjectStore, run_id: str, rows: Sequence[ScoredRollout]) 
             scored_at_max=max(r.scored_at for r in group),
             verdicts=verdicts,
         )
-        store.put(manifest_key(key), json.dumps(info.__dict__, sort_keys=True).encode())
+        store.put(keys.lake_manifest_key(key), json.dumps(info.__dict__, sort_keys=True).encode())
         parts.append(info)
     return parts
 
@@ -372,10 +365,6 @@ class LakeFilter:
         )
 
 
-def _version_of(key: str) -> int:
-    return int(key.split("/policy_version=", 1)[1].split("/", 1)[0])
-
-
 class LakeReader:
     """Reads a run's lake: the same filter yields the same rollouts in the same order
     (parts by (policy version, key), rows by rollout id), each rollout once."""
@@ -387,7 +376,7 @@ class LakeReader:
 
     def manifest(self) -> dict[str, dict]:
         out = {}
-        for info in self.store.list(f"{lake_prefix(self.run_id)}_manifest/"):
+        for info in self.store.list(keys.lake_manifest_prefix(self.run_id)):
             try:
                 m = json.loads(self.store.get(info.key))
             except (ObjectNotFound, ValueError):
@@ -403,10 +392,10 @@ class LakeReader:
         by_stats = any(b is not None for b in (flt.reward_min, flt.reward_max, flt.scored_after, flt.scored_before, flt.verdicts))
         manifest = self.manifest() if by_stats else {}
         keep = []
-        for info in self.store.list(lake_prefix(self.run_id) + "policy_version="):
+        for info in self.store.list(keys.lake_prefix(self.run_id) + "policy_version="):
             if not info.key.endswith(".parquet"):
                 continue
-            v = _version_of(info.key)
+            v = keys.lake_version(info.key)
             if (flt.policy_version_min is not None and v < flt.policy_version_min) or (
                 flt.policy_version_max is not None and v > flt.policy_version_max
             ):
@@ -415,7 +404,7 @@ class LakeReader:
             if m is not None and not flt.admits_part(m):  # a part without a manifest entry is read
                 continue
             keep.append(info.key)
-        return sorted(keep, key=lambda k: (_version_of(k), k))
+        return sorted(keep, key=lambda k: (keys.lake_version(k), k))
 
     def _load(self, key: str) -> list[ScoredRollout]:
         # BufferReader: Arrow reads the bytes in place, without a Python file object (and the GIL).

@@ -15,8 +15,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from conveyor import keys
+from conveyor.objectstore import ObjectNotFound, ObjectStore
 from storage.lake import LakeReader
-from storage.objectstore import ObjectNotFound, ObjectStore
 
 
 def code_commit() -> str | None:
@@ -44,14 +45,14 @@ def write_run_meta(store: ObjectStore, run_id: str, config: dict, **extra) -> No
         "config": config,
         **extra,
     }
-    store.put(f"runs/{run_id}/meta/run.json", json.dumps(meta, indent=2, default=str).encode())
+    store.put(keys.meta_key(run_id, "run.json"), json.dumps(meta, indent=2, default=str).encode())
 
 
 def upload_run_files(store: ObjectStore, run_id: str, files: list[Path]) -> list[str]:
     keys = []
     for f in files:
         if f.exists():
-            key = f"runs/{run_id}/meta/{f.name}"
+            key = keys.meta_key(run_id, f.name)
             store.put_file(key, f)
             keys.append(key)
     return keys
@@ -59,11 +60,11 @@ def upload_run_files(store: ObjectStore, run_id: str, files: list[Path]) -> list
 
 def list_runs(store: ObjectStore) -> list[dict]:
     runs: dict[str, dict] = {}
-    for info in store.list("runs/"):
-        parts = info.key.split("/")
-        if len(parts) < 3:
+    for info in store.list(keys.RUNS):
+        run_id = keys.run_of(info.key)
+        if run_id is None:
             continue
-        run = runs.setdefault(parts[1], {"run_id": parts[1], "objects": 0, "bytes": 0, "last_modified": 0.0})
+        run = runs.setdefault(run_id, {"run_id": run_id, "objects": 0, "bytes": 0, "last_modified": 0.0})
         run["objects"] += 1
         run["bytes"] += info.size
         if info.key.endswith("/meta/run.json"):
@@ -77,12 +78,12 @@ def list_runs(store: ObjectStore) -> list[dict]:
 def show_run(store: ObjectStore, run_id: str) -> dict:
     def get_json(name: str):
         try:
-            return json.loads(store.get(f"runs/{run_id}/meta/{name}"))
+            return json.loads(store.get(keys.meta_key(run_id, name)))
         except (ObjectNotFound, ValueError):
             return None
 
-    weights = sorted({int(i.key.split("/weights/v", 1)[1].split("/", 1)[0]) for i in store.list(f"runs/{run_id}/weights/")})
-    meta_files = sorted(i.key.rsplit("/", 1)[1] for i in store.list(f"runs/{run_id}/meta/"))
+    weights = sorted({v for i in store.list(keys.weights_prefix(run_id)) if (v := keys.weights_version(i.key)) is not None})
+    meta_files = sorted(i.key.rsplit("/", 1)[1] for i in store.list(keys.meta_prefix(run_id)))
     return {
         "run_id": run_id,
         "meta": get_json("run.json"),

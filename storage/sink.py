@@ -29,10 +29,10 @@ import structlog
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import RetryableError
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ServiceClients
+from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 from storage.lake import write_parts
-from storage.objectstore import ObjectStore
 
 log = structlog.get_logger(__name__)
 

@@ -46,7 +46,7 @@ class Worker:
     def __init__(self, config: Path, name: str, log_dir: Path) -> None:
         self.log = log_dir / f"{name}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor.cli.main", "serve", "reward-worker", "--config", str(config),
+            [sys.executable, "-m", "launch.cli.main", "serve", "reward-worker", "--config", str(config),
              "--concurrency", "1", "--hostname", f"{name}@%h"],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip

@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-Services come from the project's own stack code (``conveyor.stack``). In CI
+Services come from the project's own stack code (``launch.stack``). In CI
 (``CI`` set) a service that cannot start fails the test; on a laptop the
 test is skipped and says why.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.stack.manager import free_port_block  # noqa: F401 - re-exported for tests
+from launch.stack.manager import free_port_block  # noqa: F401 - re-exported for tests
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))
@@ -35,8 +35,8 @@ def service_unavailable(reason: str):
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     """Kafka-protocol broker and S3 server from the local stack, for the whole session."""
-    from conveyor.stack.components import BinaryMissing
-    from conveyor.stack.manager import Stack, StackError, StackPorts
+    from launch.stack.components import BinaryMissing
+    from launch.stack.manager import Stack, StackError, StackPorts
 
     st = Stack(tmp_path_factory.mktemp("stack"), StackPorts.from_base(free_port_block()))
     try:
@@ -80,7 +80,7 @@ def kafka_cfg(stack):
 @pytest.fixture
 def s3_cfg(stack):
     from conveyor.config import S3StoreConfig
-    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
+    from launch.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
 
     return S3StoreConfig(
         endpoint_url=stack.endpoints()["s3"],
@@ -94,8 +94,8 @@ def s3_cfg(stack):
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A Redis-protocol server (valkey) from the local stack, for Celery tests."""
-    from conveyor.stack.components import BinaryMissing
-    from conveyor.stack.manager import Stack, StackError, StackPorts
+    from launch.stack.components import BinaryMissing
+    from launch.stack.manager import Stack, StackError, StackPorts
 
     st = Stack(tmp_path_factory.mktemp("redis-stack"), StackPorts.from_base(free_port_block()))
     try:
@@ -132,7 +132,7 @@ def decode_bytes(ids) -> str:
 
 def open_sandbox(*, parallel: int | None = None, warm: bool = False, **limits):
     """A reward sandbox with these limits; where bubblewrap cannot run: fail in CI, skip elsewhere."""
-    from reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+    from sandbox.runner import Sandbox, SandboxLimits, SandboxUnavailable
 
     try:
         return Sandbox(SandboxLimits(**limits), parallel=parallel, warm=warm)
@@ -145,7 +145,7 @@ def store(request, tmp_path):
     """The same tests against a local directory and the stack's SeaweedFS (a fresh key prefix each)."""
     import uuid
 
-    from storage.objectstore import LocalObjectStore, S3ObjectStore
+    from conveyor.objectstore import LocalObjectStore, S3ObjectStore
 
     if request.param == "local":
         return LocalObjectStore(tmp_path / "objects")

@@ -88,13 +88,13 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     import torch
 
     from conveyor.config import parse_run_config
-    from conveyor.demo import DemoConfig, _warmup
-    from conveyor.orchestrate import Supervisor, write_run_config
+    from conveyor.objectstore import S3ObjectStore
+    from launch.demo import DemoConfig, _warmup
+    from launch.supervisor import Supervisor, write_run_config
     from learner.checkpoint import load_latest
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
     from storage.lake import LakeReader
-    from storage.objectstore import S3ObjectStore
+    from tasks.suites.pyexpr import ALPHABET
 
     run_id = f"chaos-{uuid.uuid4().hex[:6]}"
     topics = Topics(run_id)

@@ -15,14 +15,14 @@ import pytest
 
 from conveyor.contracts import Rollout, rollout_id
 from conveyor.messaging import ServiceClients
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.kafka import KafkaTransport
 from learner.models import create_tiny_llama
-from producers.suites.pyexpr import ALPHABET, sample_problems, to_task
 from rollout_workers.process_engine import ProcessEngine
 from rollout_workers.reference_engine import ReferenceEngine
 from rollout_workers.worker import RolloutWorker
-from storage.objectstore import LocalObjectStore
+from tasks.suites.pyexpr import ALPHABET, sample_problems, to_task
 
 pytestmark = pytest.mark.chaos
 

@@ -17,9 +17,9 @@ from unit.test_lake_codec import scored
 
 from conveyor.contracts import ScoredRollout
 from conveyor.messaging import Publisher
+from conveyor.objectstore import S3ObjectStore
 from conveyor.topics import Topics
 from storage.lake import LakeReader
-from storage.objectstore import S3ObjectStore
 
 
 def make_rows(run_id: str, lo: int, hi: int) -> list[ScoredRollout]:
@@ -119,7 +119,7 @@ def test_sink_killed_between_write_and_commit_leaves_no_duplicate_at_read_time(s
 
     def sink(env_extra):
         return subprocess.Popen(
-            [sys.executable, "-m", "conveyor.cli.main", "serve", "storage-sink", "--config", str(path), "--flush-rows", "40", "--flush-s", "0.5"],
+            [sys.executable, "-m", "launch.cli.main", "serve", "storage-sink", "--config", str(path), "--flush-rows", "40", "--flush-s", "0.5"],
             env={**os.environ, **env_extra}, stdout=(tmp_path / "sink.log").open("a"), stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -176,7 +176,7 @@ def test_sink_started_while_s3_is_down_waits_for_it(stack, kafka_cfg, s3_cfg, tm
     log = tmp_path / "sink.log"
     stack.kill("s3")
     sink = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.cli.main", "serve", "storage-sink", "--config", str(path), "--flush-rows", "40", "--flush-s", "0.5"],
+        [sys.executable, "-m", "launch.cli.main", "serve", "storage-sink", "--config", str(path), "--flush-rows", "40", "--flush-s", "0.5"],
         stdout=log.open("a"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

@@ -45,11 +45,11 @@ def rank0_of(torchrun: subprocess.Popen, timeout_s: float = 60.0) -> int:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path, ranks):
+    from conveyor.objectstore import LocalObjectStore
     from conveyor.transport.kafka import KafkaTransport
     from learner.checkpoint import load_latest
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
-    from storage.objectstore import LocalObjectStore
+    from tasks.suites.pyexpr import ALPHABET
 
     run_id = f"resume-{uuid.uuid4().hex[:6]}"
     create_tiny_llama(tmp_path / "model", ALPHABET, seed=0)
@@ -89,7 +89,7 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
             return 0
 
     def learner():
-        serve = ["-m", "conveyor.cli.main", "serve", "learner", "--config", str(tmp_path / "run.yaml"),
+        serve = ["-m", "launch.cli.main", "serve", "learner", "--config", str(tmp_path / "run.yaml"),
                  "--model", str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"), "--threads", "1"]  # fmt: skip
         if ranks > 1:
             serve = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port_block()}", *serve]

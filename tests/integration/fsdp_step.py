@@ -15,7 +15,7 @@ def main(out_path: str) -> None:
     from learner.distributed import grpo_loss_on_share, shard
     from learner.grpo import LossConfig
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     torch.manual_seed(0)
     model, _ = create_tiny_llama(tempfile.mkdtemp(), ALPHABET, seed=0)

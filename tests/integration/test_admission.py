@@ -12,17 +12,17 @@ import random
 import pytest
 
 from conveyor.messaging import ServiceClients
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.models import create_tiny_llama
 from learner.recipe import GRPOLearner
-from producers.suites.pyexpr import ALPHABET, sample_problems, to_task
 from reward.bridge import RewardBridge
-from reward.verifiers import Verdict
 from rollout_workers.engine import BatchingEngine
 from rollout_workers.reference_engine import ReferenceEngine
 from rollout_workers.worker import RolloutWorker
-from storage.objectstore import LocalObjectStore
+from tasks.suites.pyexpr import ALPHABET, sample_problems, to_task
+from tasks.verifiers import Verdict
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from reward import cgroups
+from sandbox import cgroups
 
 
 @pytest.fixture

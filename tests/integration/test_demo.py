@@ -9,7 +9,7 @@ from conftest import open_sandbox
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from conveyor.demo import DemoConfig, run_demo
+    from launch.demo import DemoConfig, run_demo
 
     open_sandbox().close()  # fail (CI) or skip early, with the reason, where bubblewrap cannot run
     cfg = DemoConfig(
@@ -55,7 +55,7 @@ def test_weights_advanced_and_the_worker_swapped(demo):
 
 
 def test_staleness_never_exceeds_max_lag(demo):
-    from conveyor.demo import DemoConfig
+    from launch.demo import DemoConfig
 
     assert demo.max_staleness <= DemoConfig.max_lag  # the run has the demo's default
 
@@ -83,8 +83,8 @@ def test_report_and_run_directory(demo):
 
 
 def test_the_run_can_be_inspected_and_replayed(demo):
+    from conveyor.objectstore import LocalObjectStore
     from storage.lake import LakeFilter, LakeReader
-    from storage.objectstore import LocalObjectStore
     from storage.runs import list_runs, show_run
 
     store = LocalObjectStore(demo.run_dir.parent / "objects")

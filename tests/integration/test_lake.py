@@ -117,7 +117,7 @@ def test_replay_source_has_the_subscriber_interface(store):
 
 
 def test_manifest_prunes_parts_and_is_read_only_when_the_filter_needs_it(tmp_path):
-    from storage.objectstore import LocalObjectStore
+    from conveyor.objectstore import LocalObjectStore
 
     class Counting(LocalObjectStore):
         gets: list[str] = []

@@ -61,7 +61,7 @@ def train(tmp_path, kafka_cfg, model_dir, name: str, nproc: int) -> tuple[str, l
     }  # fmt: skip
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    serve = ["-m", "conveyor.cli.main", "serve", "learner", "--config", str(config), "--model", str(model_dir),
+    serve = ["-m", "launch.cli.main", "serve", "learner", "--config", str(config), "--model", str(model_dir),
              "--run-dir", str(tmp_path / name), "--threads", "1"]  # fmt: skip
     if nproc > 1:
         cmd = [
@@ -102,11 +102,11 @@ def train(tmp_path, kafka_cfg, model_dir, name: str, nproc: int) -> tuple[str, l
 def test_two_ranks_train_like_one(stack, kafka_cfg, tmp_path):
     from safetensors.torch import load
 
+    from conveyor.objectstore import LocalObjectStore
     from learner.checkpoint import load_latest
     from learner.distributed import load_full_state
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
-    from storage.objectstore import LocalObjectStore
+    from tasks.suites.pyexpr import ALPHABET
 
     create_tiny_llama(tmp_path / "model", ALPHABET, seed=0)
     one_id, one = train(tmp_path, kafka_cfg, tmp_path / "model", "one", 1)

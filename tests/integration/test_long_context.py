@@ -14,7 +14,7 @@ STEP = r"""
 import json, sys, tempfile, torch
 from learner.models import create_tiny_llama
 from learner.packing import packed_completion_logprobs
-from producers.suites.pyexpr import ALPHABET
+from tasks.suites.pyexpr import ALPHABET
 torch.set_num_threads(2)
 n = int(sys.argv[1])
 model, tok = create_tiny_llama(tempfile.mkdtemp(), ALPHABET, seed=0, hidden_size=64, layers=2, heads=4,

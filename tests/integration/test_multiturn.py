@@ -9,11 +9,11 @@ import pytest
 
 from conveyor.contracts import Feedback
 from learner.models import create_tiny_llama
-from producers.suites.pyexpr import ALPHABET
 from reward.bridge import RewardBridge
 from reward.scorers import LocalScorer
 from rollout_workers.multiturn import feedback_text
 from rollout_workers.reference_engine import ReferenceEngine
+from tasks.suites.pyexpr import ALPHABET
 from tests.conftest import open_sandbox
 from tests.unit.test_rollout_worker import _pipeline
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conveyor.errors import ChecksumMismatch
-from storage.objectstore import LocalObjectStore, ObjectNotFound, sha256_hex
+from conveyor.objectstore import LocalObjectStore, ObjectNotFound, sha256_hex
 
 # `store` (local directory and SeaweedFS, a fresh prefix each) comes from conftest.py.
 
@@ -54,7 +54,7 @@ def test_put_if_absent_keeps_the_callers_digest_and_reads_verify_it(store, monke
     data = os.urandom(1 << 20)
     digest = sha256_hex(data)
     with monkeypatch.context() as m:  # the caller's digest is used, not computed again
-        m.setattr("storage.objectstore.sha256_hex", lambda _: pytest.fail("put_if_absent hashed the data again"))
+        m.setattr("conveyor.objectstore.sha256_hex", lambda _: pytest.fail("put_if_absent hashed the data again"))
         assert store.put_if_absent("digested", data, sha256=digest) is True
     assert store.head("digested").sha256 == sha256_hex(data)
     assert store.get("digested") == data

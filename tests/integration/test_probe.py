@@ -9,7 +9,7 @@ import pytest
 from conftest import service_unavailable
 
 from conveyor.config import parse_run_config
-from conveyor.probe import probe_all
+from launch.probe import probe_all
 
 
 def reachable(port: int) -> bool:
@@ -43,7 +43,7 @@ def test_every_backend_answers(kafka_cfg, s3_cfg, celery, port):
 
 
 def test_unreachable_backends_are_reported_by_section(tmp_path):
-    from conveyor.stack.manager import free_port_block
+    from launch.stack.manager import free_port_block
 
     dead = free_port_block(3)
     cfg = parse_run_config(

@@ -35,7 +35,7 @@ def celery_run(request, redis_url, tmp_path_factory):
 
 
 def test_status_counts_the_workers_on_the_runs_queue(celery_run):
-    from conveyor.status import reward_workers_alive
+    from launch.status import reward_workers_alive
 
     _, cfg = celery_run
     alive = reward_workers_alive(cfg, timeout_s=2.0)

@@ -22,13 +22,13 @@ def sandbox(request, tmp_path_factory):
     unshares, then forks the job's supervisor)."""
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "relay":
-            import reward.sandbox
+            import sandbox.runner
 
             harness = tmp_path_factory.mktemp("relay") / "harness.py"
-            source = reward.sandbox.HARNESS.read_text()
+            source = sandbox.runner.HARNESS.read_text()
             assert "\nSYS_CLONE = " in source
             harness.write_text(source.replace("\nSYS_CLONE = ", "\nSYS_CLONE = None  # ", 1))
-            mp.setattr(reward.sandbox, "HARNESS", harness)
+            mp.setattr(sandbox.runner, "HARNESS", harness)
         sb = open_sandbox(timeout_s=1.5, memory_mb=128, max_output_bytes=2048, tmp_mb=8, nproc=32, file_mb=2,
                           parallel=2, warm=request.param == "warm")  # fmt: skip
         yield sb
@@ -57,7 +57,7 @@ def host_unaffected(sandbox):  # after the sandbox is up; before it is closed
 
 
 def run1(sandbox, src, **kw):
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     [r] = sandbox.run([Job(src, **kw)])
     return r
@@ -134,7 +134,7 @@ def test_host_files_are_invisible(sandbox, path):
 
 
 def test_another_jobs_files_are_invisible(sandbox):
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     writer = "import time\nopen('secret-4242.txt', 'w').write('s3cr3t')\nopen('/tmp/secret-4242.txt', 'w').write('s3cr3t')\ntime.sleep(0.8)\n"
     reader = (
@@ -150,8 +150,8 @@ def test_another_jobs_files_are_invisible(sandbox):
 
 
 def test_another_workspace_is_invisible(sandbox, tmp_path):
-    from reward.sandbox import Job
-    from reward.workspace import Workspace
+    from sandbox.runner import Job
+    from sandbox.workspace import Workspace
 
     with Workspace(root=tmp_path / "a") as a, Workspace(root=tmp_path / "b") as b:
         [w] = sandbox.run([Job("open('/workspace/secret.txt', 'w').write('x')\n")], a)
@@ -167,7 +167,7 @@ def test_cannot_write_outside_the_work_directory(sandbox, path):
 
 
 def test_signals_cannot_reach_the_harness_or_other_jobs(sandbox):
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     attacker = "import os, signal\nfor pid in (1, 0, -1, os.getppid()):\n    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
     victim = "import time\ntime.sleep(0.5)\nprint('survived')\n"
@@ -176,7 +176,7 @@ def test_signals_cannot_reach_the_harness_or_other_jobs(sandbox):
 
 
 def test_symlinks_in_the_workspace_do_not_escape(sandbox, tmp_path):
-    from reward.workspace import Workspace
+    from sandbox.workspace import Workspace
 
     base = tmp_path / "base"
     base.mkdir()
@@ -184,7 +184,7 @@ def test_symlinks_in_the_workspace_do_not_escape(sandbox, tmp_path):
     (base / "hostroot").symlink_to("/")
     (base / "up").symlink_to("../../../../../../")
     with Workspace(base, root=tmp_path / "ws") as ws:
-        from reward.sandbox import Job
+        from sandbox.runner import Job
 
         src = (
             "import os\nprint(sorted(os.listdir('hostroot')), sorted(os.listdir('up')))\n"
@@ -279,7 +279,7 @@ def test_cgroup_limits_the_batch_when_available(sandbox):
         "codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]\n"
         "print(codes)\nassert -9 in codes\n"
     )
-    from reward.sandbox import Sandbox, SandboxLimits
+    from sandbox.runner import Sandbox, SandboxLimits
 
     small = Sandbox(SandboxLimits(timeout_s=5, memory_mb=128, tmp_mb=8), parallel=1)
     try:
@@ -292,7 +292,7 @@ def test_cgroup_limits_the_batch_when_available(sandbox):
 def test_nothing_carries_over_to_the_next_job(sandbox):
     """A slot's supervisor serves job after job: the next one sees none of the last one's files,
     processes or System V IPC objects."""
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     shm = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]\n"
     first = (

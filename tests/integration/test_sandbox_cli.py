@@ -13,7 +13,7 @@ from conftest import service_unavailable
 
 def sandbox_exec(*args, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
-    res = subprocess.run([sys.executable, "-m", "conveyor.cli.main", "sandbox", "exec", *map(str, args)],
+    res = subprocess.run([sys.executable, "-m", "launch.cli.main", "sandbox", "exec", *map(str, args)],
                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     if res.returncode == 3:
         service_unavailable(f"bubblewrap sandbox: {res.stderr.strip()}")

@@ -9,12 +9,12 @@ import socket
 import subprocess
 import sys
 
-from conveyor.stack.manager import free_port_block
+from launch.stack.manager import free_port_block
 
 
 def conveyor(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "conveyor.cli.main", *args],
+        [sys.executable, "-m", "launch.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -13,9 +13,9 @@ import pytest
 from conveyor.config import RunConfig
 from conveyor.contracts import Task
 from conveyor.messaging import ServiceClients
-from conveyor.status import kafka_lag, workers_alive
 from conveyor.topics import Topics
 from conveyor.transport.kafka import KafkaTransport
+from launch.status import kafka_lag, workers_alive
 
 pytestmark = pytest.mark.integration
 

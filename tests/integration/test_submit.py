@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from conveyor.cli import tasks as tasks_cli
 from conveyor.config import load_run_config
 from conveyor.contracts import Task, decode
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
+from launch.cli import tasks as tasks_cli
 from producers.loaders import RecordRejected
 
 runner = CliRunner()

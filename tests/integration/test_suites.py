@@ -27,7 +27,7 @@ def sandbox():
 
 
 def suite(name):
-    return importlib.import_module(f"producers.suites.{name}")
+    return importlib.import_module(f"tasks.suites.{name}")
 
 
 @pytest.mark.parametrize("name", SUITES)
@@ -51,7 +51,7 @@ def test_suite_shape(name):
 
 @pytest.mark.parametrize("name", SUITES)
 def test_reference_passes_and_wrong_scores_zero(sandbox, name):
-    from reward.verifiers import score_batch
+    from tasks.verifiers import score_batch
 
     mod = suite(name)
     problems = mod.problems()

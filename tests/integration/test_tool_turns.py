@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from conveyor.contracts import Task, ToolCall, Turn, VerifierSpec, tool_episode_script
-from reward.verifiers import score_batch
-from rollout_workers.tools import ToolEpisode, parse_call
+from tasks.terminal_tools import ToolEpisode, parse_turn
+from tasks.verifiers import score_batch
 from tests.conftest import open_sandbox
 
 pytestmark = pytest.mark.integration
@@ -32,17 +32,17 @@ def test_calls_share_a_workspace_and_failures_are_rolled_back():
     sandbox = open_sandbox()
     episode = ToolEpisode(sandbox, _task())
     try:
-        obs, kept = episode.call(parse_call('{"name": "write_file", "arguments": {"path": "b.txt", "content": "1"}}'))
+        obs, kept = episode.call(parse_turn('{"name": "write_file", "arguments": {"path": "b.txt", "content": "1"}}'))
         assert kept and "[exit 0]" in obs
-        obs, kept = episode.call(parse_call("cat b.txt; echo partial > a.txt; false"))
+        obs, kept = episode.call(parse_turn("cat b.txt; echo partial > a.txt; false"))
         assert not kept and "[rolled back]" in obs and "[exit 1]" in obs
-        obs, kept = episode.call(parse_call("cat a.txt b.txt"))  # a.txt is back to 1; b.txt persisted
+        obs, kept = episode.call(parse_turn("cat a.txt b.txt"))  # a.txt is back to 1; b.txt persisted
         assert kept and "11" in obs.replace("\n", "")
-        obs, kept = episode.call(parse_call("```sh\necho 2 > b.txt\n```"))
+        obs, kept = episode.call(parse_turn("```sh\necho 2 > b.txt\n```"))
         assert kept
     finally:
         episode.close()
-    assert parse_call("done") is None and parse_call("  ") is None
+    assert parse_turn("done") is None and parse_turn("  ") is None
     # The net script (kept calls only) replayed from the base by the stateless verifier passes.
     turns = [Turn(role="assistant", text="", tool_calls=[ToolCall(name="shell", arguments={"kept": k, "replay": r})])
              for k, r in [(True, "printf 1 > b.txt"), (False, "echo partial > a.txt; false"), (True, "cat a.txt"),
@@ -56,10 +56,10 @@ def test_calls_share_a_workspace_and_failures_are_rolled_back():
 
 async def test_worker_runs_tool_episodes(tmp_path):
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
     from reward.bridge import RewardBridge
     from reward.scorers import LocalScorer
     from rollout_workers.reference_engine import ReferenceEngine
+    from tasks.suites.pyexpr import ALPHABET
     from tests.unit.test_rollout_worker import _pipeline
 
     create_tiny_llama(tmp_path / "m", ALPHABET, seed=3, hidden_size=32, layers=2, heads=2, intermediate_size=64,

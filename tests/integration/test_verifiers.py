@@ -20,7 +20,7 @@ def T(kind, prompt="p", **data):
 
 
 def score(sandbox, *items):
-    from reward.verifiers import score_batch
+    from tasks.verifiers import score_batch
 
     return score_batch(sandbox, list(items))
 

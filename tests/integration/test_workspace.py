@@ -38,7 +38,7 @@ def base(tmp_path):
 
 
 def tree(sandbox, ws):
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     [r] = sandbox.run([Job(HASH_TREE)], ws)
     assert r.verdict == "pass", r
@@ -46,7 +46,7 @@ def tree(sandbox, ws):
 
 
 def sh(sandbox, ws, script):
-    from reward.sandbox import Job
+    from sandbox.runner import Job
 
     [r] = sandbox.run([Job(kind="command", argv=("/bin/sh", "-e", "-c", script))], ws)
     assert r.verdict == "pass", r
@@ -54,7 +54,7 @@ def sh(sandbox, ws, script):
 
 
 def test_snapshot_restore_reset_on_2000_files(sandbox, base, tmp_path):
-    from reward.workspace import Workspace, WorkspaceError
+    from sandbox.workspace import Workspace, WorkspaceError
 
     with Workspace(base, root=tmp_path / "ws") as ws:
         original = tree(sandbox, ws)

@@ -16,8 +16,8 @@ from conveyor.contracts import (
     uint8_array,
 )
 from conveyor.messaging import ClaimCheck, DeadLetterSink, Publisher, Subscriber
+from conveyor.objectstore import LocalObjectStore
 from conveyor.transport.memory import MemoryTransport
-from storage.objectstore import LocalObjectStore
 
 
 def big_rollout(n: int) -> Rollout:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conveyor.demo import DemoConfig, run_demo
+from launch.demo import DemoConfig, run_demo
 
 
 @pytest.mark.parametrize(
@@ -38,9 +38,9 @@ class _Captured(Exception):
 def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engine_process, learner_process):
     from typer.testing import CliRunner
 
-    import conveyor.demo
     import conveyor.logging
-    from conveyor.cli.main import app
+    import launch.demo
+    from launch.cli.main import app
 
     seen = {}
 
@@ -48,15 +48,15 @@ def test_cli_places_the_engine_and_the_learner(monkeypatch, tmp_path, args, engi
         seen["cfg"] = cfg
         raise _Captured  # the options are what is tested here; the demo itself runs in tests/integration/test_demo.py
 
-    monkeypatch.setattr(conveyor.demo, "run_demo", capture)
+    monkeypatch.setattr(launch.demo, "run_demo", capture)
     # The CLI's callback would point structlog and logging at CliRunner's stderr, which is closed
     # after the invocation: later tests' log lines would fail on it.
     monkeypatch.setattr(conveyor.logging, "configure_logging", lambda *a, **kw: None)
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), *args])
     assert isinstance(result.exception, _Captured), result.output
     assert (seen["cfg"].engine_process, seen["cfg"].learner_process) == (engine_process, learner_process)
-    assert seen["cfg"].updates_per_batch == conveyor.demo.DemoConfig.updates_per_batch == 1  # the CLI's default is the demo's
-    assert seen["cfg"].kl_coef == conveyor.demo.DemoConfig.kl_coef == 0.0
-    assert seen["cfg"].max_lag == conveyor.demo.DemoConfig.max_lag == 3
+    assert seen["cfg"].updates_per_batch == launch.demo.DemoConfig.updates_per_batch == 1  # the CLI's default is the demo's
+    assert seen["cfg"].kl_coef == launch.demo.DemoConfig.kl_coef == 0.0
+    assert seen["cfg"].max_lag == launch.demo.DemoConfig.max_lag == 3
     if not args:  # no options: every field is the config's default
-        assert seen["cfg"] == conveyor.demo.DemoConfig(out_dir=tmp_path)
+        assert seen["cfg"] == launch.demo.DemoConfig(out_dir=tmp_path)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from conveyor.demo import _stopped
+from launch.demo import _stopped
 
 
 async def _drains() -> None:

@@ -41,8 +41,8 @@ def validate_object(doc: dict) -> None:
 
 
 def test_cross_references_hold():
-    from conveyor.cli.serve import app as serve_app
     from conveyor.topics import Topics
+    from launch.cli.serve import app as serve_app
 
     all_docs = [d for _, d in docs()]
     by_kind: dict[str, dict[str, dict]] = {}
@@ -65,7 +65,7 @@ def test_cross_references_hold():
 
 
 def test_compose_file_and_its_run_config():
-    from conveyor.cli.serve import app as serve_app
+    from launch.cli.serve import app as serve_app
 
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     roles = {c.name for c in serve_app.registered_commands}

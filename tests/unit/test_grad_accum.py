@@ -7,18 +7,18 @@ import copy
 import pytest
 import torch
 
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.grpo import LossConfig
 from learner.recipe import GRPOLearner
-from storage.objectstore import LocalObjectStore
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 @pytest.mark.parametrize("objective", ["behaviour", "decoupled"])
 def test_micro_batches_match_one_batch(tmp_path, aggregation, objective):
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     torch.manual_seed(0)
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
@@ -49,7 +49,7 @@ def test_train_step_reports_the_train_inference_mismatch_on_fresh_samples(tmp_pa
     from conveyor.contracts import Rollout, SamplingParams, ScoredRollout, Task, VersionSegment, rollout_id
     from learner.grpo import completion_logprobs
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     task = Task(task_id="t", run_id="r", prompt="p", group_size=4, sampling=SamplingParams(temperature=0.7))

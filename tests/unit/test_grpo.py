@@ -118,7 +118,7 @@ def test_a_shared_prompt_is_run_once_with_the_same_logprobs_and_gradients(tmp_pa
 
     from learner import grpo
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     rng = random.Random(0)
@@ -172,7 +172,7 @@ def test_token_entropies_agree_on_every_path_and_the_bonus_raises_entropy(tmp_pa
     from learner import grpo
     from learner.models import create_tiny_llama
     from learner.packing import packed_completion_logprobs
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11], [9, 10, 11]]
@@ -219,7 +219,7 @@ def test_an_empty_prompt_before_completion_tokens_is_refused_on_every_path(tmp_p
     from learner import grpo
     from learner.models import create_tiny_llama
     from learner.packing import packed_completion_logprobs
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     prompts, completions = [[5, 6, 7], [], [5, 6, 7]], [[8, 9], [10], [11]]

@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-HARNESS = Path(__file__).resolve().parents[2] / "reward" / "harness.py"
+HARNESS = Path(__file__).resolve().parents[2] / "sandbox" / "harness.py"
 LIMITS = {"timeout_s": 5.0, "max_output_bytes": 4096}
 
 

@@ -7,11 +7,11 @@ import torch
 
 from conveyor.contracts import Rollout, ScoredRollout, Task, VersionSegment, rollout_id
 from conveyor.messaging import Delivery
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Record, TopicPartition
 from conveyor.transport.memory import MemoryTransport
 from learner.recipe import GRPOLearner
-from storage.objectstore import LocalObjectStore
 
 
 def scored(task_id: str, i: int, group_size: int = 2, version: int = 0) -> ScoredRollout:

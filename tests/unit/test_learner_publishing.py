@@ -10,10 +10,10 @@ from scored_factory import scored_group
 
 from conveyor.contracts import WeightsAnnouncement, decode
 from conveyor.messaging import Publisher
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.recipe import GRPOLearner
-from storage.objectstore import LocalObjectStore
 
 
 async def _train_groups(transport, topics, learner, run_id: str, groups: int) -> None:
@@ -38,7 +38,7 @@ async def _train_groups(transport, topics, learner, run_id: str, groups: int) ->
 
 async def test_publishes_every_k_steps_and_the_final_policy(tmp_path):
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     transport, topics = MemoryTransport(), Topics("pub")
@@ -91,7 +91,7 @@ async def test_publication_overlaps_the_next_step_and_stays_in_order(tmp_path, m
     from safetensors.torch import load
 
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     transport, topics = MemoryTransport(), Topics("overlap")

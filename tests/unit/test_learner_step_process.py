@@ -8,16 +8,16 @@ import copy
 import pytest
 import torch
 
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.recipe import GRPOLearner
-from storage.objectstore import LocalObjectStore
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     return create_tiny_llama(tmp_path_factory.mktemp("m"), ALPHABET, seed=0)
 
@@ -124,11 +124,11 @@ def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp
     """``conveyor serve learner`` builds its learner with the config file's ``learner.step_process``
     and ``learner.updates_per_batch``
     (the service's transport and the learner itself are replaced: only the wiring is under test)."""
-    import conveyor.cli.serve as serve
+    import launch.cli.serve as serve
     import learner.recipe
     from conveyor.config import load_run_config
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     config = tmp_path / "run.yaml"

@@ -11,10 +11,10 @@ from scored_factory import scored_group
 
 from conveyor.contracts import LearnerProgress, WeightsAnnouncement, decode
 from conveyor.messaging import Publisher
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.recipe import GRPOLearner
-from storage.objectstore import LocalObjectStore
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +26,7 @@ def _flat(run_id: str, g: int) -> list:
 
 async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int):
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     transport, topics = MemoryTransport(), Topics("ver")

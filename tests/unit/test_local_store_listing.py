@@ -3,8 +3,8 @@ lists its weights at every publication, and a store shared by many runs must not
 
 import os
 
-from storage import objectstore
-from storage.objectstore import LocalObjectStore
+from conveyor import objectstore
+from conveyor.objectstore import LocalObjectStore
 
 
 def test_listing_walks_only_the_prefix_directory(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.contracts import Task, VerifierSpec
-from reward.verifiers import VerifierError, extract_answer, judge_math
+from tasks.verifiers import VerifierError, extract_answer, judge_math
 
 
 def task(answer, **kw):

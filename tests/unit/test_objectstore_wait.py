@@ -11,7 +11,7 @@ import pytest
 import structlog
 
 from conveyor.config import LocalStoreConfig, S3StoreConfig
-from storage.objectstore import LocalObjectStore, ObjectStoreUnavailable, wait_for_object_store
+from conveyor.objectstore import LocalObjectStore, ObjectStoreUnavailable, wait_for_object_store
 
 
 def _refusing_endpoint() -> str:

@@ -6,7 +6,7 @@ import sys
 import time
 
 from conveyor.config import parse_run_config
-from conveyor.orchestrate import STOP_ORDER, Supervisor, resolve_for_stack
+from launch.supervisor import STOP_ORDER, Supervisor, resolve_for_stack
 
 
 def test_config_is_pointed_at_the_local_stack():

@@ -16,7 +16,7 @@ COMPLETIONS = [[5, 6, 7], [8, 9, 10, 11], [12], [6, 7, 8, 9, 10]]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     torch.manual_seed(0)
     m, tok = create_tiny_llama(tmp_path_factory.mktemp("m"), ALPHABET, seed=0)

@@ -7,8 +7,8 @@ import torch
 
 from learner.grpo import completion_logprobs
 from learner.models import create_tiny_llama
-from producers.suites.pyexpr import ALPHABET
 from rollout_workers.reference_engine import ReferenceEngine
+from tasks.suites.pyexpr import ALPHABET
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,8 @@ def test_greedy_is_deterministic(engine):
 def test_chat_messages_are_rendered_not_dropped(tmp_path):
     from conveyor.contracts import ChatMessage
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
     from rollout_workers.reference_engine import ReferenceEngine
+    from tasks.suites.pyexpr import ALPHABET
 
     create_tiny_llama(tmp_path, "".join(sorted(set(ALPHABET + "abcdefghijklmnopqrstuvwxyz:"))), seed=0)
     eng = ReferenceEngine(tmp_path)
@@ -65,9 +65,9 @@ def test_chat_messages_are_rendered_not_dropped(tmp_path):
 
 def test_process_engine_samples_like_the_in_process_one(tmp_path):
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
     from rollout_workers.process_engine import ProcessEngine
     from rollout_workers.reference_engine import ReferenceEngine
+    from tasks.suites.pyexpr import ALPHABET
 
     model, _ = create_tiny_llama(tmp_path, ALPHABET, seed=0)
     local, remote = ReferenceEngine(tmp_path, seed=0), ProcessEngine(tmp_path, seed=0)

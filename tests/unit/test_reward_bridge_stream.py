@@ -12,7 +12,7 @@ from conveyor.messaging import ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from reward.bridge import DrainTimeout, RewardBridge
-from reward.verifiers import Verdict
+from tasks.verifiers import Verdict
 
 pytestmark = pytest.mark.unit
 

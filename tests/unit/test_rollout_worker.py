@@ -13,14 +13,14 @@ import pytest
 
 from conveyor.contracts import Rollout, WeightsAnnouncement
 from conveyor.messaging import ServiceClients
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from learner.models import create_tiny_llama
-from producers.suites.pyexpr import ALPHABET, sample_problems, to_task
 from rollout_workers.engine import BatchingEngine, SamplingRequest
 from rollout_workers.reference_engine import ReferenceEngine
 from rollout_workers.worker import RolloutWorker
-from storage.objectstore import LocalObjectStore
+from tasks.suites.pyexpr import ALPHABET, sample_problems, to_task
 
 pytestmark = pytest.mark.unit
 

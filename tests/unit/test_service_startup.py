@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gc
 
-from conveyor.cli.serve import _run_service
 from conveyor.config import parse_run_config
+from launch.cli.serve import _run_service
 
 
 class _Service:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.stack import manager
-from conveyor.stack.components import Component
-from conveyor.stack.manager import ExitedDuringStartup, Stack, StackPorts, free_port_block
+from launch.stack import manager
+from launch.stack.components import Component
+from launch.stack.manager import ExitedDuringStartup, Stack, StackPorts, free_port_block
 
 
 def test_port_block_stays_below_the_ephemeral_range(monkeypatch):
@@ -106,7 +106,7 @@ def test_ensure_healthy_restarts_only_what_is_down(flaky):
 def test_stack_up_warns_about_ports_in_the_ephemeral_range(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from conveyor.cli.stack import app
+    from launch.cli.stack import app
 
     monkeypatch.setattr(manager, "ephemeral_port_range", lambda: (32768, 60999))
     args = ["up", "--state-dir", str(tmp_path), "--only", "nothing"]  # refused before anything starts

@@ -11,11 +11,11 @@ import pytest
 from unit.test_lake_codec import scored
 
 from conveyor.messaging import Publisher
+from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport import TopicPartition
 from conveyor.transport.memory import MemoryTransport
 from storage.lake import LakeReader
-from storage.objectstore import LocalObjectStore
 from storage.sink import StorageSink
 
 

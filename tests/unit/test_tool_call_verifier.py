@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conveyor.contracts import Task, VerifierSpec
-from reward.tools import TOOLS
-from reward.verifiers import judge_tool_call, score_batch
+from tasks.function_tools import TOOLS
+from tasks.verifiers import judge_tool_call, score_batch
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
 EVENT = {"name": "create_event", "arguments": {"title": "Standup", "start": "2025-04-07T09:30", "duration_minutes": 15,

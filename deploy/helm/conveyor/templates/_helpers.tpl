@@ -46,7 +46,7 @@ spec:
     - torchrun
     - --nproc-per-node={{ max 1 $gpus }}
     - -m
-    - conveyor.cli.main
+    - launch.cli.main
     {{- end }}
     args:
     - serve

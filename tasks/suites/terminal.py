@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.contracts import Task, VerifierSpec
-from producers.suites import split_of, suite_task
+from tasks.suites import split_of, suite_task
 
 SUITE = "terminal"
 

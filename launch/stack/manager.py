@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from conveyor.stack.components import (
+from conveyor.runtime import pid_alive
+from launch.stack.components import (
     ALL_COMPONENTS,
     BUILDERS,
     LOCAL_S3_ACCESS_KEY,
@@ -141,21 +142,6 @@ def free_port_block(n: int = 10, start: int = 20000, stop: int = 32000) -> int:
         if ok:
             return base
     raise RuntimeError("no free port block")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours counts as dead.
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
 # --------------------------------------------------------------------------

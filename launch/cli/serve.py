@@ -70,10 +70,10 @@ async def _trace_memory() -> None:
 def _run_service(cfg, build, *, with_store: bool = True) -> None:
     """Open the config's transport (and object store), ``build(transport, topics, store)`` the
     service, run it until SIGTERM/SIGINT, and close the transport."""
+    from conveyor.objectstore import wait_for_object_store
     from conveyor.runtime import startup_frozen
     from conveyor.topics import Topics
     from conveyor.transport import open_transport
-    from storage.objectstore import wait_for_object_store
 
     async def main(stop: asyncio.Event) -> None:
         transport = open_transport(cfg.transport)
@@ -96,7 +96,7 @@ def reward_worker(
 ) -> None:
     """A Celery worker that scores rollouts in the sandbox (one task per rollout)."""
     from reward.celery_app import run_worker
-    from reward.sandbox import Sandbox, SandboxUnavailable
+    from sandbox.runner import Sandbox, SandboxUnavailable
 
     cfg = _load(config, "reward-worker")
     try:  # refuse to start where the sandbox cannot run, and say why
@@ -146,7 +146,7 @@ class _ClosingEngine:
 
 def _sandbox(cfg):
     """The reward sandbox with the config's limits."""
-    from reward.sandbox import Sandbox, SandboxLimits
+    from sandbox.runner import Sandbox, SandboxLimits
 
     r = cfg.reward
     limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
@@ -159,7 +159,7 @@ def _tool_sandbox(cfg):
     alive between turns); None, with a warning, where user namespaces are unavailable."""
     import structlog
 
-    from reward.sandbox import SandboxUnavailable
+    from sandbox.runner import SandboxUnavailable
 
     try:
         return _sandbox(cfg)
@@ -215,7 +215,7 @@ def learner(
     threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
 ) -> None:
     """Scored topic -> GRPO steps -> weights (object store + weights topic) and progress; resumes from its
-    newest checkpoint after a crash. Under torchrun (`torchrun --nproc-per-node N -m conveyor.cli.main
+    newest checkpoint after a crash. Under torchrun (`torchrun --nproc-per-node N -m launch.cli.main
     serve learner ...`) the policy is FSDP2-sharded over N ranks: rank 0 consumes, publishes and
     checkpoints, every rank trains its share of each batch."""
     import torch
@@ -285,7 +285,7 @@ def rollout_worker(
     """Tasks topic -> engine -> rollouts topic; follows the weights topic and swaps versions in flight.
     Start as many as you like: they share the tasks topic's consumer group. Exits non-zero if its
     engine fails (the tasks it had not published go to another worker)."""
-    from rollout_workers.engine import open_engine
+    from rollout_workers.engines import open_engine
     from rollout_workers.worker import RolloutWorker
 
     cfg = _load(config, "rollout-worker")
@@ -356,7 +356,7 @@ def producer(config: Path = CONFIG) -> None:
                 tasks = curriculum
             else:
                 tasks = suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks)
-            from storage.objectstore import wait_for_object_store
+            from conveyor.objectstore import wait_for_object_store
 
             store = await wait_for_object_store(cfg.object_store)
             prod = TaskProducer(transport, topics, tasks, learner_batch_samples=cfg.learner.batch_groups * pc.group_size,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from conveyor.cli.runs import CONFIG, STORE, open_store
+from launch.cli.runs import CONFIG, STORE, open_store
 
 app = typer.Typer(help="Offline recipes that train from the trajectory lake.", no_args_is_help=True)
 MODEL = typer.Option(..., "--model", exists=True, file_okay=False, help="Starting model (HF directory with its tokenizer).")

@@ -1,7 +1,7 @@
 """Run model-written programs and commands in a bubblewrap sandbox.
 
 One ``bwrap`` launch per *batch* (or one for the sandbox's life, warm);
-inside it ``reward/harness.py`` is a fork server. Each of its parallel slots
+inside it ``sandbox/harness.py`` is a fork server. Each of its parallel slots
 has a supervisor, pid 1 of its own mount and pid namespaces, which forks one
 model process per job (in an IPC namespace of its own) and, when the job
 ends, kills whatever the job left in the namespace and unmounts the job's
@@ -22,7 +22,7 @@ What it protects against (each claim has a test in
 - Privilege: uid/gid 65534 in a user namespace; every capability dropped
   (bounding and ambient sets too), ``no_new_privs``, not dumpable;
   ``setuid``, ``ptrace``, ``mount``, ``unshare``, ``bpf``, ``keyctl``,
-  ``io_uring`` and the other calls in ``reward/seccomp.py`` fail with EPERM.
+  ``io_uring`` and the other calls in ``sandbox/seccomp.py`` fail with EPERM.
 - Other processes: a job runs in its slot's pid namespace, where the only
   other process is the slot's supervisor (pid 1, which cannot be signalled
   from inside); it cannot see or signal the harness, other jobs, or the host.
@@ -78,9 +78,9 @@ from typing import Literal
 
 import structlog
 
-from reward import cgroups
-from reward.seccomp import filter_bpf
-from reward.workspace import Workspace
+from sandbox import cgroups
+from sandbox.seccomp import filter_bpf
+from sandbox.workspace import Workspace
 
 log = structlog.get_logger(__name__)
 HARNESS = Path(__file__).with_name("harness.py")
@@ -156,7 +156,7 @@ class Sandbox:
         cgroups_mode: Literal["auto", "required", "off"] = "auto",
         warm: bool = False,
     ) -> None:
-        from conveyor.stack.components import BinaryMissing, bwrap_binary
+        from conveyor.binaries import BinaryMissing, bwrap_binary
 
         try:
             self.bwrap = str(bwrap_binary())

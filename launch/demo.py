@@ -2,7 +2,7 @@
 
 1. Creates a small Llama-architecture model with a character tokenizer (HF
    format, so transformers and vLLM load the same directory) and warms it up
-   with supervised steps on the demo task family (``producers.suites.pyexpr``),
+   with supervised steps on the demo task family (``tasks.suites.pyexpr``),
    whose teacher is systematically wrong on some expressions.
 2. Runs asynchronous RL through the real services on in-memory topics and a
    local-directory object store: producer -> tasks -> rollout worker
@@ -111,7 +111,7 @@ class Evaluator:
         self.newline = engine.encode("\n")[0]
 
     def pass_rate(self) -> float:
-        from reward.verifiers import program_of
+        from tasks.verifiers import program_of
 
         outs = self.engine.generate(self.prompts, 1, max_new_tokens=self.max_tokens, stop_token_ids={self.newline}, greedy=True)
         programs = [program_of(t, self.engine.decode(o[0].token_ids)) for t, o in zip(self.tasks, outs)]
@@ -123,7 +123,7 @@ def _warmup(model, tokenizer, cfg: DemoConfig, rng: random.Random) -> float:
     import torch
 
     from learner.sft import sft_step
-    from producers.suites.pyexpr import sample_problems, warmup_completion
+    from tasks.suites.pyexpr import sample_problems, warmup_completion
 
     stream = sample_problems(rng)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
@@ -142,7 +142,7 @@ def _warmup(model, tokenizer, cfg: DemoConfig, rng: random.Random) -> float:
 
 
 def _task_stream(cfg: DemoConfig, run_id: str, rng: random.Random):
-    from producers.suites.pyexpr import sample_problems, to_task
+    from tasks.suites.pyexpr import sample_problems, to_task
 
     for i, p in enumerate(sample_problems(rng)):
         yield to_task(p, run_id, cfg.group_size, i)
@@ -293,7 +293,7 @@ async def _evaluate(ctx: dict, learner, started: float) -> dict:
     store), never the learner's weights while a step may be updating them."""
     from safetensors.torch import load
 
-    from storage.objectstore import ObjectNotFound
+    from conveyor.objectstore import ObjectNotFound
 
     def work() -> tuple[int, float]:
         for _ in range(10):
@@ -316,12 +316,12 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from conveyor.objectstore import LocalObjectStore
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET, heldout_set, to_task
-    from reward.sandbox import Sandbox, SandboxLimits
     from rollout_workers.reference_engine import ReferenceEngine
-    from storage.objectstore import LocalObjectStore
+    from sandbox.runner import Sandbox, SandboxLimits
     from storage.runs import upload_run_files, write_run_meta
+    from tasks.suites.pyexpr import ALPHABET, heldout_set, to_task
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -427,7 +427,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     with (run_dir / "eval.jsonl").open("w") as fh:
         for e in ctx["evals"]:
             fh.write(json.dumps(e) + "\n")
-    from conveyor.report import write_report
+    from launch.report import write_report
 
     write_report(run_dir)
     result = DemoResult(

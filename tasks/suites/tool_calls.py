@@ -1,6 +1,6 @@
 """Structured tool calls: turn a request into one call of the right tool.
 
-The model sees the tools of ``reward/tools.py`` (name, description, JSON
+The model sees the tools of ``tasks/function_tools.py`` (name, description, JSON
 Schema of the arguments) in the system message and a user request, and
 answers with ``{"name": ..., "arguments": {...}}`` in a ```json block. The
 ``tool_call`` verifier validates the arguments against the tool's schema and
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.contracts import ChatMessage, Task, VerifierSpec
-from producers.suites import split_of, suite_task
-from reward.tools import TOOLS
+from tasks.function_tools import TOOLS
+from tasks.suites import split_of, suite_task
 
 SUITE = "tool_calls"
 

@@ -22,7 +22,7 @@ class ProbeResult:
 def probe_transport(cfg: RunConfig, timeout_s: float = 5.0) -> ProbeResult:
     if cfg.transport.type == "memory":
         return ProbeResult("transport", "in-process", True, "memory transport needs no broker")
-    from conveyor.stack.manager import check_kafka
+    from launch.stack.manager import check_kafka
 
     target = cfg.transport.bootstrap_servers
     try:
@@ -33,7 +33,7 @@ def probe_transport(cfg: RunConfig, timeout_s: float = 5.0) -> ProbeResult:
 
 
 def probe_object_store(cfg: RunConfig) -> ProbeResult:
-    from storage.objectstore import open_object_store
+    from conveyor.objectstore import open_object_store
 
     store_cfg = cfg.object_store
     target = str(store_cfg.root) if store_cfg.type == "local" else f"{store_cfg.endpoint_url or 'AWS'} bucket {store_cfg.bucket}"

@@ -4,7 +4,7 @@ For a ``terminal`` task with ``max_turns > 1`` every assistant turn is a tool
 call: a JSON object ``{"name": "shell", "arguments": {"command": ...}}`` (or
 ``write_file`` with ``path`` and ``content``), or plain shell text. The call
 runs in the bubblewrap sandbox on the episode's own overlay workspace
-(``reward/workspace.py``), which lives as long as the episode: files written
+(``sandbox/workspace.py``), which lives as long as the episode: files written
 in turn 1 are there in turn 3. Before each call the workspace is snapshotted;
 a call that fails (non-zero exit, timeout, memory) is rolled back, so a
 broken command never leaves the workspace half-changed, and the model reads
@@ -27,15 +27,15 @@ import tempfile
 from pathlib import Path
 
 from conveyor.contracts import Task, ToolCall
-from reward.sandbox import Job, Sandbox
-from reward.verifiers import _terminal_base, code_of
-from reward.workspace import Workspace
+from sandbox.runner import Job, Sandbox
+from sandbox.workspace import Workspace
+from tasks.verifiers import code_of, terminal_base
 
 OUTPUT_TAIL = 400
 DONE = {"", "done", "exit"}
 
 
-def parse_call(text: str) -> ToolCall | None:
+def parse_turn(text: str) -> ToolCall | None:
     """The tool call in an assistant turn; None when the model is done."""
     body = code_of(text).strip()
     if body.lower() in DONE:
@@ -63,7 +63,7 @@ class ToolEpisode:
     def __init__(self, sandbox: Sandbox, task: Task) -> None:
         self.sandbox = sandbox
         self._tmp = tempfile.TemporaryDirectory(prefix="cvtool-")
-        base = _terminal_base(task, Path(self._tmp.name))
+        base = terminal_base(task, Path(self._tmp.name))
         self.workspace = Workspace(base, root=Path(self._tmp.name) / "ws")
         self.kept: list[str] = []
 

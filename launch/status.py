@@ -174,9 +174,9 @@ def reward_workers_alive(cfg: RunConfig, timeout_s: float = 1.0) -> dict | None:
 
 
 async def collect(cfg: RunConfig, window_s: float = 2.0) -> dict:
+    from conveyor.objectstore import open_object_store
     from conveyor.transport import open_transport
     from storage.lake import LakeReader
-    from storage.objectstore import open_object_store
 
     transport = open_transport(cfg.transport)
     topics = Topics(cfg.run_id)

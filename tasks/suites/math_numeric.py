@@ -20,7 +20,7 @@ from decimal import Decimal
 from fractions import Fraction
 
 from conveyor.contracts import Task, VerifierSpec
-from producers.suites import split_of, suite_task
+from tasks.suites import split_of, suite_task
 
 SUITE = "math_numeric"
 SEED = 8

@@ -31,8 +31,8 @@ def run(
     from conveyor.config import load_run_config
     from conveyor.errors import ConfigError
     from conveyor.logging import configure_logging
-    from conveyor.orchestrate import Supervisor, resolve_for_stack, write_run_config
-    from conveyor.stack.manager import Stack, StackError, pid_alive
+    from launch.stack.manager import Stack, StackError, pid_alive
+    from launch.supervisor import Supervisor, resolve_for_stack, write_run_config
 
     configure_logging("run", fmt="console", level="info")
     if stack != "local":
@@ -79,9 +79,9 @@ def _default_model(model_dir: Path, warmup_steps: int) -> Path:
 
     import torch
 
-    from conveyor.demo import DemoConfig, _warmup
+    from launch.demo import DemoConfig, _warmup
     from learner.models import create_tiny_llama
-    from producers.suites.pyexpr import ALPHABET
+    from tasks.suites.pyexpr import ALPHABET
 
     torch.manual_seed(0)
     model, tok = create_tiny_llama(model_dir, ALPHABET, seed=0)
@@ -97,7 +97,7 @@ def status(
 ) -> None:
     """Per-topic consumer lag, workers alive, policy version, throughput and the lake of a run."""
     from conveyor.config import load_run_config
-    from conveyor.status import collect
+    from launch.status import collect
 
     path = config or out / run_id / "run.yaml"
     if not path.exists():

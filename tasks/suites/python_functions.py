@@ -23,7 +23,7 @@ import textwrap
 from dataclasses import dataclass
 
 from conveyor.contracts import Task, VerifierSpec
-from producers.suites import split_of, suite_task
+from tasks.suites import split_of, suite_task
 
 SUITE = "python_functions"
 

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import typer
 
-from conveyor.cli import run as run_cli
-from conveyor.cli import runs as runs_cli
-from conveyor.cli import sandbox as sandbox_cli
-from conveyor.cli import serve as serve_cli
-from conveyor.cli import stack as stack_cli
-from conveyor.cli import tasks as tasks_cli
-from conveyor.cli import topics as topics_cli
-from conveyor.cli import train as train_cli
-from conveyor.demo import DemoConfig  # the demo command's defaults are the config's
+from launch.cli import run as run_cli
+from launch.cli import runs as runs_cli
+from launch.cli import sandbox as sandbox_cli
+from launch.cli import serve as serve_cli
+from launch.cli import stack as stack_cli
+from launch.cli import tasks as tasks_cli
+from launch.cli import topics as topics_cli
+from launch.cli import train as train_cli
+from launch.demo import DemoConfig  # the demo command's defaults are the config's
 
 app = typer.Typer(
     name="conveyor",
@@ -85,7 +85,7 @@ def config_validate(
 
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     if connect:
-        from conveyor.probe import probe_all
+        from launch.probe import probe_all
 
         results = probe_all(cfg)
         for r in results:
@@ -137,7 +137,7 @@ def demo(
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
     """Run the whole pipeline on this machine (the services in one process) and watch a policy learn."""
-    from conveyor.demo import make_display, run_demo
+    from launch.demo import make_display, run_demo
 
     cfg = DemoConfig(
         seed=seed,
@@ -177,7 +177,7 @@ def demo(
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="A run directory (runs/<run>).")) -> None:
     """Draw report.png from a run's metrics."""
-    from conveyor.report import write_report
+    from launch.report import write_report
 
     typer.echo(write_report(run_dir))
 

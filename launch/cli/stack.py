@@ -15,7 +15,7 @@ STATE_DIR = typer.Option(
 
 
 def _stack(state_dir: Path | None, base_port: int | None = None):
-    from conveyor.stack.manager import Stack, StackPorts
+    from launch.stack.manager import Stack, StackPorts
 
     ports = StackPorts.from_base(base_port) if base_port else StackPorts()
     return Stack(state_dir, ports)
@@ -36,8 +36,8 @@ def up(
     timeout: float = typer.Option(60.0, help="Seconds to wait for every health check."),
 ) -> None:
     """Start the components and wait until each answers a real request."""
-    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY, BinaryMissing
-    from conveyor.stack.manager import StackError, ephemeral_port_range, in_ephemeral_range
+    from launch.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY, BinaryMissing
+    from launch.stack.manager import StackError, ephemeral_port_range, in_ephemeral_range
 
     stack = _stack(state_dir, base_port)
     low, high = ephemeral_port_range()
@@ -100,7 +100,7 @@ def down(
     grace: float = typer.Option(10.0, help="Seconds between SIGTERM and SIGKILL."),
 ) -> None:
     """Stop every component: SIGTERM, wait, then SIGKILL."""
-    from conveyor.stack.manager import StackError
+    from launch.stack.manager import StackError
 
     stack = _stack(state_dir)
     try:

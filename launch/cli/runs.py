@@ -17,7 +17,7 @@ STORE = typer.Option(
 
 
 def open_store(config: Path | None, store: Path):
-    from storage.objectstore import LocalObjectStore, open_object_store
+    from conveyor.objectstore import LocalObjectStore, open_object_store
 
     if config is not None:
         from conveyor.config import load_run_config

@@ -24,7 +24,7 @@ def resolve_bootstrap(bootstrap: str | None, config: Path | None, state_dir: Pat
         if cfg.transport.type != "kafka":
             raise typer.BadParameter(f"{config} uses the {cfg.transport.type} transport; topics need a broker")
         return cfg.transport.bootstrap_servers
-    from conveyor.stack.manager import Stack
+    from launch.stack.manager import Stack
 
     endpoint = Stack(state_dir).endpoints().get("kafka")
     if endpoint:

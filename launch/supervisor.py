@@ -40,7 +40,7 @@ STOP_ORDER = ["producer", "rollout-worker", "reward-bridge", "reward-worker", "l
 
 def resolve_for_stack(cfg: RunConfig, endpoints: dict[str, str], bucket: str = "conveyor") -> dict:
     """The config as a dict, with transport, object store and Celery broker pointed at the local stack."""
-    from conveyor.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
+    from launch.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
 
     data = cfg.model_dump(mode="json")
     transport = {k: v for k, v in data["transport"].items() if k in _kafka_fields()}
@@ -101,7 +101,7 @@ class Supervisor:
                  tokenizer_dir: Path | None = None, threads: int = 1) -> None:  # fmt: skip
         self.run_dir = run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        serve = [sys.executable, "-m", "conveyor.cli.main", "serve"]
+        serve = [sys.executable, "-m", "launch.cli.main", "serve"]
         cfg = ["--config", str(config_path)]
         tok = str(tokenizer_dir or model_dir)
         specs: list[tuple[str, list[str]]] = [

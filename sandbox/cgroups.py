@@ -27,7 +27,7 @@ from pathlib import Path
 
 import structlog
 
-from conveyor.stack.manager import pid_alive
+from conveyor.runtime import pid_alive
 
 log = structlog.get_logger(__name__)
 ROOT = Path("/sys/fs/cgroup")

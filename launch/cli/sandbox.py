@@ -24,8 +24,8 @@ def exec_(
     result as one JSON object (verdict, exit_code, stdout, stderr, duration_s, peak_memory_mb, feedback).
     The caller's environment is not passed in. Exit status: 0 when the program passed, 1 otherwise,
     3 when the sandbox cannot run on this host."""
-    from reward.sandbox import Job, Sandbox, SandboxLimits, SandboxUnavailable
-    from reward.workspace import Workspace
+    from sandbox.runner import Job, Sandbox, SandboxLimits, SandboxUnavailable
+    from sandbox.workspace import Workspace
 
     if cgroups not in ("auto", "required", "off"):
         raise typer.BadParameter("must be auto, required or off", param_hint="--cgroups")

@@ -33,7 +33,7 @@ Each kind reads its own payload from ``task.verifier.data``:
     numbers; default 1e-6). The completion's call is its last JSON object
     ``{"name": ..., "arguments": {...}}`` (a fenced block's first); the
     arguments are validated with ``jsonschema`` against the tool's schema in
-    ``reward/tools.py``, then compared with the expected ones (strings
+    ``tasks/function_tools.py``, then compared with the expected ones (strings
     ignoring case, ISO date-times as instants, lists in any order). Reward 1
     or 0; the feedback names the unknown tool, the schema error's JSON path
     or the wrong argument, never the expected value. No sandbox.
@@ -51,9 +51,9 @@ from fractions import Fraction
 from pathlib import Path
 
 from conveyor.contracts import Feedback, Task
-from reward.sandbox import ExecResult, Job, Sandbox
-from reward.tools import TOOLS, parse_call, schema_error, values_match
-from reward.workspace import Workspace
+from sandbox.runner import ExecResult, Job, Sandbox
+from sandbox.workspace import Workspace
+from tasks.function_tools import TOOLS, parse_call, schema_error, values_match
 
 _INT_LITERAL = re.compile(r"^ ?-?\d+\n?$")
 _FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)```", re.S)
@@ -248,7 +248,7 @@ def _python_tests_job(task: Task, completion: str) -> Job:
     return Job(code, tests=data["tests"], test_style=data.get("style", "assert"))
 
 
-def _terminal_base(task: Task, tmp: Path) -> Path:
+def terminal_base(task: Task, tmp: Path) -> Path:
     data = task.verifier.data
     image, files = data.get("image"), data.get("files") or {}
     if image and not Path(image).is_dir():
@@ -274,7 +274,7 @@ def _terminal(sandbox: Sandbox, task: Task, completion: str) -> Verdict:
     if not isinstance(data.get("checks"), str):
         raise VerifierError(f"task {task.task_id}: terminal needs data.checks (source)")
     with tempfile.TemporaryDirectory(prefix="cvterm-") as tmp:
-        base = _terminal_base(task, Path(tmp))
+        base = terminal_base(task, Path(tmp))
         with Workspace(base, root=Path(tmp) / "ws") as ws:
             script = code_of(completion)
             commands, checks = sandbox.run(

@@ -1,0 +1,124 @@
+"""Every object-store key the project writes, built and parsed in one place.
+
+    runs/<run>/weights/v<version:06d>/model.safetensors    policy versions (the learner)
+    runs/<run>/checkpoints/step-<step:09d>.pt              learner checkpoints
+    runs/<run>/checkpoints/latest.json                     pointer to the newest checkpoint
+    runs/<run>/producer/position.json                      the producer's position in its source
+    runs/<run>/lake/policy_version=<v>/part-<h>.parquet    trajectory parts (storage/lake.py)
+    runs/<run>/lake/_manifest/part-<h>.json                each part's key, size, sha256 and stats
+    runs/<run>/meta/<name>                                 run metadata (config, summary, report)
+    <claims prefix>/<sha256[:2]>/<sha256>                  claim-checked message bodies
+
+Writers and readers (the learner and the rollout workers, the sink and the lake reader, ``conveyor
+runs``) all call these functions, so a key's shape cannot drift between two of them.
+"""
+
+from __future__ import annotations
+
+import re
+
+RUNS = "runs/"
+_WEIGHTS = re.compile(r"^runs/(?P<run>[^/]+)/weights/v(?P<version>\d+)/")
+_LAKE_VERSION = re.compile(r"/lake/policy_version=(?P<version>\d+)/")
+
+
+def run_prefix(run_id: str) -> str:
+    return f"{RUNS}{run_id}/"
+
+
+def run_of(key: str) -> str | None:
+    """The run a key under ``runs/`` belongs to (None for any other key)."""
+    parts = key.split("/")
+    return parts[1] if len(parts) >= 3 and key.startswith(RUNS) else None
+
+
+# policy weights
+
+
+def weights_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}weights/"
+
+
+def weights_key(run_id: str, version: int) -> str:
+    return f"{weights_prefix(run_id)}v{version:06d}/model.safetensors"
+
+
+def weights_version(key: str) -> int | None:
+    """The policy version of a weights key (None when ``key`` is not one)."""
+    m = _WEIGHTS.match(key)
+    return int(m.group("version")) if m else None
+
+
+# learner checkpoints
+
+
+def checkpoints_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}checkpoints/"
+
+
+def checkpoint_key(run_id: str, step: int) -> str:
+    return f"{checkpoints_prefix(run_id)}step-{step:09d}.pt"
+
+
+def checkpoint_steps_prefix(run_id: str) -> str:
+    """What every checkpoint's key starts with (not the pointer's)."""
+    return f"{checkpoints_prefix(run_id)}step-"
+
+
+def checkpoint_pointer_key(run_id: str) -> str:
+    return f"{checkpoints_prefix(run_id)}latest.json"
+
+
+# the producer
+
+
+def producer_position_key(run_id: str) -> str:
+    return f"{run_prefix(run_id)}producer/position.json"
+
+
+# the trajectory lake
+
+
+def lake_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}lake/"
+
+
+def lake_part_key(run_id: str, policy_version: int, digest: str) -> str:
+    return f"{lake_prefix(run_id)}policy_version={policy_version}/part-{digest}.parquet"
+
+
+def lake_manifest_prefix(run_id: str) -> str:
+    return f"{lake_prefix(run_id)}_manifest/"
+
+
+def lake_manifest_key(part: str) -> str:
+    """The manifest key of a part key."""
+    run_prefix_, _, rest = part.partition("/lake/")
+    return f"{run_prefix_}/lake/_manifest/{rest.rsplit('/', 1)[-1].removesuffix('.parquet')}.json"
+
+
+def lake_version(part: str) -> int:
+    """The policy version a part key is partitioned under."""
+    m = _LAKE_VERSION.search(part)
+    if m is None:
+        raise ValueError(f"not a lake part key: {part!r}")
+    return int(m.group("version"))
+
+
+# run metadata
+
+
+def meta_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}meta/"
+
+
+def meta_key(run_id: str, name: str) -> str:
+    return f"{meta_prefix(run_id)}{name}"
+
+
+# claim checks
+
+
+def claim_key(prefix: str, sha256: str) -> str:
+    """A claim-checked body's key: content-addressed, fanned out by the hash's first byte."""
+    return f"{prefix.strip('/')}/{sha256[:2]}/{sha256}"

@@ -1,0 +1,28 @@
+"""The engine a rollout config names. The factory lives apart from the engine interface
+(``engine.py``) so the backends import the interface and nothing imports back."""
+
+from __future__ import annotations
+
+from rollout_workers.engine import BatchingEngine
+from rollout_workers.reference_engine import ReferenceEngine
+
+
+def open_engine(rollout_cfg, model_dir):
+    """The engine a ``RolloutConfig`` names, serving ``model_dir`` (started by the worker)."""
+    if rollout_cfg.engine == "vllm":
+        from rollout_workers.vllm_engine import VLLMEngine
+
+        v = rollout_cfg.vllm
+        return VLLMEngine(
+            model_dir,
+            seed=rollout_cfg.seed,
+            dtype=v.dtype,
+            max_model_len=v.max_model_len,
+            max_num_seqs=v.max_num_seqs,
+            kv_cache_memory_bytes=v.kv_cache_mb << 20 if v.kv_cache_mb else None,
+            gpu_memory_utilization=v.memory_utilization,
+            speculative_config=v.speculative,
+            trust_speculative_logprobs=v.trust_speculative_logprobs,
+            enforce_eager=v.enforce_eager,
+        )
+    return BatchingEngine(ReferenceEngine(model_dir, seed=rollout_cfg.seed, threads=rollout_cfg.threads or None))
