@@ -97,12 +97,13 @@ async def publish_rows(kafka_cfg, run_id: str, rows) -> None:
 
 
 async def sink_rate(kafka_cfg, store, run_id: str, n: int, max_inflight: int = 2, meter: CpuMeter | None = None) -> float:
+    from conveyor.config import SinkConfig
     from conveyor.topics import Topics
     from conveyor.transport.kafka import KafkaTransport
     from storage.sink import StorageSink
 
     transport = KafkaTransport(kafka_cfg)
-    sink = StorageSink(transport, Topics(run_id), store, flush_rows=512, flush_s=1.0, max_inflight=max_inflight)
+    sink = StorageSink(transport, Topics(run_id), store, SinkConfig(flush_rows=512, flush_s=1.0, max_inflight=max_inflight))
     stop = asyncio.Event()
     stop.set()  # drain what is there, then return
     before = meter.read() if meter else None

@@ -326,6 +326,33 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
+class BridgeConfig(_Section):
+    """The reward bridge: rollouts topic -> reward tasks -> scored topic."""
+
+    max_batch: int = Field(256, ge=1)
+    """Rollouts taken per poll."""
+    max_inflight: int = Field(512, ge=1)
+    """Rollouts being scored at once; each verdict is published as it completes."""
+    drain_timeout_s: float = Field(60.0, gt=0)
+    """How long a stop may take to score what was already generated; after it the bridge exits 1
+    and the unscored rollouts are redelivered (their offsets were not committed)."""
+
+
+class SinkConfig(_Section):
+    """The storage sink: scored topic -> Parquet parts in the object store."""
+
+    flush_rows: int = Field(512, ge=1)
+    """Flush after this many rollouts..."""
+    flush_s: float = Field(5.0, ge=0.05)
+    """...or when the oldest buffered one is this old."""
+    max_inflight: int = Field(2, ge=1)
+    """Flushes written at once (offsets still commit in order)."""
+    backoff_max_s: float = Field(10.0, gt=0)
+    """Longest wait between retries of a failed write."""
+    give_up_after_s: float = Field(3600.0, gt=0)
+    """A write still failing after this long stops the sink (non-zero exit) instead of retrying forever."""
+
+
 # --------------------------------------------------------------------------
 # cross-cutting
 
@@ -361,6 +388,8 @@ class RunConfig(BaseSettings):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
+    bridge: BridgeConfig = Field(default_factory=BridgeConfig)
+    sink: SinkConfig = Field(default_factory=SinkConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

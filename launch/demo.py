@@ -149,6 +149,7 @@ def _task_stream(cfg: DemoConfig, run_id: str, rng: random.Random):
 
 
 async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
+    from conveyor.config import SinkConfig
     from conveyor.topics import Topics
     from conveyor.transport.memory import MemoryTransport
     from learner.grpo import LossConfig
@@ -195,7 +196,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         step_process=cfg.learner_process,
         updates_per_batch=cfg.updates_per_batch,
     )
-    sink = StorageSink(transport, topics, ctx["store"], flush_s=2.0)
+    sink = StorageSink(transport, topics, ctx["store"], SinkConfig(flush_s=2.0))
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)
 
     # Shutdown drains front to back: generation stops, the bridge scores what

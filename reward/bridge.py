@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 
 import structlog
 
+from conveyor.config import BridgeConfig
 from conveyor.contracts import Rollout, ScoredRollout, tool_episode_script
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
@@ -53,20 +54,19 @@ class RewardBridge:
         topics: Topics,
         scorer,
         decode_text,
+        config: BridgeConfig | None = None,
         *,
         group_id: str | None = None,
-        max_batch: int = 256,
-        max_inflight: int = 512,
-        drain_timeout_s: float = 60.0,
     ) -> None:
+        cfg = config or BridgeConfig()
         self.transport = transport
         self.topics = topics
         self.scorer = scorer  # reward.scorers.LocalScorer | CeleryScorer
         self.decode_text = decode_text  # token ids -> text (the model's tokenizer)
         self.group_id = group_id or (topics.group("reward-bridge") if topics is not None else None)
-        self.max_batch = max_batch  # rollouts taken per poll
-        self.max_inflight = max_inflight  # rollouts polled and not yet published
-        self.drain_timeout_s = drain_timeout_s
+        self.max_batch = cfg.max_batch  # rollouts taken per poll
+        self.max_inflight = cfg.max_inflight  # rollouts polled and not yet published
+        self.drain_timeout_s = cfg.drain_timeout_s
         self.scored = 0
         # Ids scored recently (a redelivered rollout is not scored twice): a bounded window, enough
         # for redeliveries after a crash or a rebalance; the learner's ledger is the exact dedupe.

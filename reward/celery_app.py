@@ -56,20 +56,10 @@ def _worker_sandbox(reward: RewardConfig):
     global _sandbox
     with _sandbox_lock:
         if _sandbox is None:
-            from sandbox.runner import Sandbox, SandboxLimits
+            from sandbox.runner import Sandbox
 
-            _sandbox = Sandbox(
-                SandboxLimits(
-                    timeout_s=reward.timeout_s,
-                    memory_mb=reward.memory_mb,
-                    max_output_bytes=reward.max_output_bytes,
-                    tmp_mb=reward.tmp_mb,
-                    nproc=reward.nproc,
-                ),
-                parallel=1,
-                cgroups_mode=reward.cgroups,
-                warm=True,  # one long-lived bwrap per pool process: ~5 ms per rollout instead of ~45
-            )
+            # one long-lived bwrap per pool process: ~5 ms per rollout instead of ~45
+            _sandbox = Sandbox.from_config(reward, parallel=1, warm=True)
             log.info("worker_sandbox_ready", pid=os.getpid(), cgroups=_sandbox.cgroup_version)
         return _sandbox
 

@@ -78,6 +78,7 @@ from typing import Literal
 
 import structlog
 
+from conveyor.config import RewardConfig
 from sandbox import cgroups
 from sandbox.seccomp import filter_bpf
 from sandbox.workspace import Workspace
@@ -190,6 +191,19 @@ class Sandbox:
         self._check()
 
     # -- launching ---------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig, *, parallel: int | None = None, warm: bool = False) -> Sandbox:
+        """A sandbox with a run config's ``reward`` limits: the reward service, the rollout worker's
+        tool turns and the demo's evaluator all judge under the same ones."""
+        limits = SandboxLimits(
+            timeout_s=reward.timeout_s,
+            memory_mb=reward.memory_mb,
+            max_output_bytes=reward.max_output_bytes,
+            tmp_mb=reward.tmp_mb,
+            nproc=reward.nproc,
+        )
+        return cls(limits, parallel=parallel, cgroups_mode=reward.cgroups, warm=warm)
 
     def _argv(self, tests_dir: Path | None, workspace: Workspace | None) -> list[str]:
         argv = [

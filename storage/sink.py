@@ -26,6 +26,7 @@ from collections import deque
 
 import structlog
 
+from conveyor.config import SinkConfig
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import RetryableError
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ServiceClients
@@ -43,25 +44,20 @@ class StorageSink:
         transport: Transport,
         topics: Topics,
         store: ObjectStore,
+        config: SinkConfig | None = None,
         *,
-        flush_rows: int = 512,
-        flush_s: float = 5.0,
         group_id: str | None = None,
-        backoff_max_s: float = 10.0,
-        give_up_after_s: float = 3600.0,
-        max_inflight: int = 2,
     ) -> None:
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        cfg = config or SinkConfig()
         self.transport = transport
         self.topics = topics
         self.store = store
-        self.flush_rows = flush_rows
-        self.flush_s = flush_s
+        self.flush_rows = cfg.flush_rows
+        self.flush_s = cfg.flush_s
         self.group_id = group_id or topics.group("storage-sink")
-        self.backoff_max_s = backoff_max_s
-        self.give_up_after_s = give_up_after_s
-        self.max_inflight = max_inflight
+        self.backoff_max_s = cfg.backoff_max_s
+        self.give_up_after_s = cfg.give_up_after_s
+        self.max_inflight = cfg.max_inflight
         self.rows_written = 0
         self.retries = 0
         self.first_record_at: float | None = None  # monotonic: first record polled (throughput figures)

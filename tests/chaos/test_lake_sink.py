@@ -15,6 +15,7 @@ import uuid
 import yaml
 from unit.test_lake_codec import scored
 
+from conveyor.config import SinkConfig
 from conveyor.contracts import ScoredRollout
 from conveyor.messaging import Publisher
 from conveyor.objectstore import S3ObjectStore
@@ -61,7 +62,7 @@ def test_s3_down_for_30_seconds_loses_and_duplicates_nothing(stack, kafka_cfg, s
     async def scenario():
         transport = KafkaTransport(kafka_cfg)
         await transport.create_topics(topics.specs(kafka_cfg.partitions))
-        sink = StorageSink(transport, topics, store, flush_rows=40, flush_s=0.5, backoff_max_s=2.0)
+        sink = StorageSink(transport, topics, store, SinkConfig(flush_rows=40, flush_s=0.5, backoff_max_s=2.0))
         stop = asyncio.Event()
         run = asyncio.create_task(sink.run(stop))
         producing = asyncio.create_task(publish(transport, topics.scored, rows, per_batch=10, every_s=1.0))

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from conveyor.config import BridgeConfig
 from conveyor.contracts import ScoredRollout, Task, VerifierSpec
 from conveyor.messaging import ServiceClients
 from conveyor.topics import Topics
@@ -59,7 +60,7 @@ async def _scored(io, topics) -> list[str]:
 async def test_a_slow_reward_task_holds_back_only_itself(tmp_path):
     transport, topics, io = await _setup(6)
     scorer = HeldScorer({"t1"})
-    bridge = RewardBridge(transport, topics, scorer, lambda ids: "x", max_batch=2)  # three polls' worth
+    bridge = RewardBridge(transport, topics, scorer, lambda ids: "x", BridgeConfig(max_batch=2))  # three polls' worth
     stop = asyncio.Event()
     run = asyncio.create_task(bridge.run(stop))
     for _ in range(100):
@@ -78,7 +79,7 @@ async def test_a_slow_reward_task_holds_back_only_itself(tmp_path):
 
 async def test_a_stop_that_cannot_drain_in_time_raises(tmp_path):
     transport, topics, io = await _setup(2)
-    bridge = RewardBridge(transport, topics, HeldScorer({"t0"}), lambda ids: "x", drain_timeout_s=0.5)
+    bridge = RewardBridge(transport, topics, HeldScorer({"t0"}), lambda ids: "x", BridgeConfig(drain_timeout_s=0.5))
     stop = asyncio.Event()
     run = asyncio.create_task(bridge.run(stop))
     await asyncio.sleep(0.5)

@@ -10,6 +10,7 @@ import threading
 import pytest
 from unit.test_lake_codec import scored
 
+from conveyor.config import SinkConfig
 from conveyor.messaging import Publisher
 from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
@@ -69,7 +70,7 @@ async def test_later_flushes_finish_first_but_offsets_commit_in_order(tmp_path):
 
     store = GatedStore(tmp_path)
     first = store.gates[0] = threading.Event()
-    sink = StorageSink(transport, topics, store, flush_rows=10, flush_s=60.0, max_inflight=2)
+    sink = StorageSink(transport, topics, store, SinkConfig(flush_rows=10, flush_s=60.0, max_inflight=2))
     stop = asyncio.Event()
     run = asyncio.create_task(sink.run(stop))
     tp = TopicPartition(topics.scored, 0)
@@ -94,6 +95,6 @@ async def test_later_flushes_finish_first_but_offsets_commit_in_order(tmp_path):
     assert sorted(s.rollout_id for s in LakeReader(store, "r").iter()) == sorted(r.rollout_id for r in rows)
 
 
-def test_max_inflight_below_one_is_refused(tmp_path):
+def test_max_inflight_below_one_is_refused():
     with pytest.raises(ValueError, match="max_inflight"):
-        StorageSink(MemoryTransport(), Topics("r"), LocalObjectStore(tmp_path), max_inflight=0)
+        SinkConfig(max_inflight=0)
