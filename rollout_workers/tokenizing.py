@@ -14,12 +14,16 @@ class Tokenizing:
 
     def encode_prompt(self, prompt: str | None, messages=None) -> list[int]:
         """A task's prompt: plain text as is; chat messages through the model's chat template
-        (``role: content`` lines, then ``assistant:``, for a tokenizer without one)."""
+        (``role: content`` lines, then ``assistant:``, for a tokenizer without one).
+
+        The template is rendered to text and the text encoded without adding special tokens: the
+        template writes its own (BOS, ``<|im_start|>``), and ``tokenize=True`` returns a
+        ``BatchEncoding`` in transformers 5 but a list in 4."""
         if not messages:
             return self.encode(prompt or "")
         turns = [{"role": m.role, "content": m.content} for m in messages]
         if getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
+            return self.encode(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
         return self.encode("".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: ")
 
     def decode(self, ids: list[int]) -> str:
