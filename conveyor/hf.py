@@ -1,12 +1,15 @@
-"""Two Hugging Face model helpers the rollout engine and the learner share.
+"""Hugging Face model helpers the rollout engine, the learner and the launch layer share.
 
-Both prefill each distinct prompt once with a KV cache and run the samples'
-tokens on it (``rollout_workers/reference_engine.py`` to sample,
-``learner/grpo.py`` to train): the prompts are left-padded into one batch so
-every row's last position is its prompt's last token.
+- :func:`resolve_model`: ``--model`` as a local directory or a Hub id through the local cache.
+- :func:`cache_keyword` and :func:`left_padded`: both the reference engine (to sample) and the
+  learner (``learner/grpo.py``, to train) prefill each distinct prompt once with a KV cache and
+  run the samples' tokens on it; the prompts are left-padded into one batch so every row's last
+  position is its prompt's last token.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def cache_keyword(model) -> str:
@@ -29,3 +32,40 @@ def left_padded(prompts, pad_id: int):
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+class ModelNotFound(ValueError):
+    """``--model`` names neither a model directory nor a Hub model that can be had here."""
+
+
+def resolve_model(name: str | Path, *, cache_dir: str | Path | None = None) -> Path:
+    """The local directory of a model: ``name`` itself when it is a directory, else a Hugging
+    Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) resolved through the local Hub cache first
+    (``HF_HUB_CACHE`` / ``HF_HOME``), then downloaded unless ``HF_HUB_OFFLINE=1``.
+
+    Every service of a run resolves the same id to the same snapshot, so the rollout workers
+    and the learner start from identical weights and tokenizer."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"model directory {path} has no config.json (not a Hugging Face model)")
+        return path
+    text = str(name)
+    if path.exists() or text.count("/") != 1 or text.startswith((".", "/")):
+        raise ModelNotFound(f"model {text!r}: not a model directory, nor a Hub id of the form owner/name")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, cache_dir=cache_dir, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    except (HfHubHTTPError, ValueError) as exc:
+        raise ModelNotFound(f"model {text!r}: {exc}") from None
+    try:
+        return Path(snapshot_download(text, cache_dir=cache_dir))
+    except Exception as exc:  # noqa: BLE001 - offline mode, no network, unknown repo, no access: all say why
+        raise ModelNotFound(
+            f"model {text!r} is not in the local Hugging Face cache and could not be downloaded "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None

@@ -9,18 +9,16 @@ from pathlib import Path
 
 import typer
 
+from launch.cli import models
+
 
 def run(
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Run config (YAML)."),
     stack: str = typer.Option("local", "--stack", help="local: start (or reuse) the local stack and point the run at it."),
     state_dir: Path | None = typer.Option(None, "--state-dir", help="The local stack's directory [default .conveyor/stack]."),
-    model: Path | None = typer.Option(
-        None,
-        "--model",
-        exists=True,
-        file_okay=False,
-        help="Initial policy (HF directory); default: the demo's tiny model, warmed up.",
-    ),  # fmt: skip
+    model: str | None = typer.Option(
+        None, "--model", help=f"Initial policy; default: the demo's tiny model, warmed up. {models.HELP}"
+    ),
     rollout_workers: int = typer.Option(1, min=1),
     reward_workers: int = typer.Option(1, min=1),
     budget: float = typer.Option(120.0, help="Seconds to run before draining (0: until Ctrl-C)."),
@@ -42,6 +40,7 @@ def run(
     except ConfigError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
+    given_model = models.resolved(model) if model else None  # before anything starts: a bad id exits 2
     st = Stack(state_dir)
     running = {n: c for n, c in st.read_state().items() if pid_alive(c.pid)}
     if not {"kafka", "s3", "redis"} <= running.keys():
@@ -52,7 +51,7 @@ def run(
             raise typer.Exit(getattr(exc, "exit_code", 1)) from None
     run_dir = (out / cfg.run_id).resolve()
     path = write_run_config(run_dir, resolve_for_stack(cfg, st.endpoints()))
-    model_dir = model or _default_model(run_dir / "model", warmup_steps)
+    model_dir = given_model or _default_model(run_dir / "model", warmup_steps)
     sup = Supervisor(run_dir, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers)
     typer.echo(f"run {cfg.run_id}: config {path}, logs {run_dir / 'logs'}")
     sup.start()

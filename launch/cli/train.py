@@ -7,17 +7,19 @@ from pathlib import Path
 
 import typer
 
+from launch.cli import models
 from launch.cli.runs import CONFIG, STORE, open_store
 
 app = typer.Typer(help="Offline recipes that train from the trajectory lake.", no_args_is_help=True)
-MODEL = typer.Option(..., "--model", exists=True, file_okay=False, help="Starting model (HF directory with its tokenizer).")
+MODEL = typer.Option(..., "--model", help=f"Starting model. {models.HELP}")
 OUT = typer.Option(..., "--out", help="Where to save the trained model (HF format).")
 
 
-def _load(model_dir: Path):
+def _load(name: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model_dir = models.resolved(name)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model, tok
@@ -34,7 +36,7 @@ def _save(model, tok, out: Path, stats: dict) -> None:
 @app.command("rft")
 def rft(
     run: str = typer.Argument(..., help="Run whose lake to train on."),
-    model: Path = MODEL,
+    model: str = MODEL,
     out: Path = OUT,
     epochs: int = typer.Option(2, min=1),
     batch_size: int = typer.Option(32, min=1),
@@ -54,7 +56,7 @@ def rft(
 @app.command("dpo")
 def dpo(
     run: str = typer.Argument(..., help="Run whose lake to train on."),
-    model: Path = MODEL,
+    model: str = MODEL,
     out: Path = OUT,
     epochs: int = typer.Option(1, min=1),
     batch_size: int = typer.Option(16, min=1),
