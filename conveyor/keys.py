@@ -1,6 +1,8 @@
 """Every object-store key the project writes, built and parsed in one place.
 
     runs/<run>/weights/v<version:06d>/model.safetensors    policy versions (the learner)
+    runs/<run>/model/<file>                                the initial model's config, tokenizer and
+                                                           generation config (what an export needs)
     runs/<run>/checkpoints/step-<step:09d>.pt              learner checkpoints
     runs/<run>/checkpoints/latest.json                     pointer to the newest checkpoint
     runs/<run>/producer/position.json                      the producer's position in its source
@@ -47,6 +49,17 @@ def weights_version(key: str) -> int | None:
     """The policy version of a weights key (None when ``key`` is not one)."""
     m = _WEIGHTS.match(key)
     return int(m.group("version")) if m else None
+
+
+# the model's files besides its weights
+
+
+def model_files_prefix(run_id: str) -> str:
+    return f"{run_prefix(run_id)}model/"
+
+
+def model_file_key(run_id: str, name: str) -> str:
+    return f"{model_files_prefix(run_id)}{name}"
 
 
 # learner checkpoints

@@ -1,4 +1,4 @@
-"""``conveyor runs list|show`` and ``conveyor replay``: runs after the fact."""
+"""``conveyor runs list|show|export-model`` and ``conveyor replay``: runs after the fact."""
 
 from __future__ import annotations
 
@@ -57,6 +57,32 @@ def show(run: str = typer.Argument(...), config: Path | None = CONFIG, store: Pa
     from storage.runs import show_run
 
     typer.echo(json.dumps(show_run(open_store(config, store), run), indent=2, default=str))
+
+
+@app.command("export-model")
+def export_model(
+    run: str = typer.Argument(..., help="Run id."),
+    out: Path = typer.Argument(..., help="Directory to write the model to (Hugging Face format)."),
+    version: int | None = typer.Option(None, "--version", min=1, help="Policy version [default: the newest]."),
+    base_model: str | None = typer.Option(
+        None, "--base-model", help="The model the run started from, for a run that stored no config or tokenizer."
+    ),
+    dtype: str = typer.Option("auto", help="auto (the config's torch_dtype) | float32 | bfloat16 | float16"),
+    config: Path | None = CONFIG,
+    store: Path = STORE,
+) -> None:
+    """A published policy version as a model directory that transformers and vLLM load."""
+    from launch.cli import models
+    from storage.model_export import ExportError
+    from storage.model_export import export_model as export
+
+    base = models.resolved(base_model) if base_model else None
+    try:
+        written = export(open_store(config, store), run, out, version=version, base=base, dtype=dtype)
+    except ExportError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(written, indent=2))
 
 
 def replay(

@@ -1,0 +1,108 @@
+"""A run's policy as a complete Hugging Face model directory that transformers and vLLM load.
+
+The learner publishes bare weights (``runs/<run>/weights/v<N>/model.safetensors``, the tensors a
+Hugging Face checkpoint stores). An export joins one version's weights with the model's other
+files (config, tokenizer, chat template, generation config): those the learner stored under
+``runs/<run>/model/`` when the run started, or those of ``base`` (the model the run started from)
+for a run that has none. The weights are loaded through transformers and saved again in the
+requested dtype, so what is written is what ``AutoModelForCausalLM.from_pretrained`` reads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from conveyor import keys
+from conveyor.objectstore import ObjectStore
+
+# The files of a Hugging Face model directory besides its weights.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ExportError(ValueError):
+    """The export cannot be made (no such version, no config or tokenizer to go with the weights)."""
+
+
+def published_versions(store: ObjectStore, run_id: str) -> list[int]:
+    return sorted(v for i in store.list(keys.weights_prefix(run_id)) if (v := keys.weights_version(i.key)) is not None)
+
+
+def store_model_files(store: ObjectStore, run_id: str, model_dir: Path) -> list[str]:
+    """Put ``model_dir``'s files besides its weights under ``runs/<run>/model/`` (the learner does
+    at start), so the run's versions export without the original directory."""
+    written = []
+    for name in MODEL_FILES:
+        path = Path(model_dir, name)
+        if path.is_file():
+            store.put(keys.model_file_key(run_id, name), path.read_bytes())
+            written.append(name)
+    return written
+
+
+def export_model(
+    store: ObjectStore,
+    run_id: str,
+    out: Path,
+    *,
+    version: int | None = None,
+    base: Path | None = None,
+    dtype: str = "auto",
+) -> dict:
+    """Write version ``version`` (default: the newest) of ``run_id``'s policy to ``out``.
+
+    ``dtype`` ``auto`` keeps the config's ``torch_dtype`` (the dtype the model was trained from).
+    Returns what was written: version, dtype, files."""
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    versions = published_versions(store, run_id)
+    if not versions:
+        raise ExportError(f"run {run_id!r} has no published weights in the object store")
+    version = versions[-1] if version is None else version
+    if version not in versions:
+        raise ExportError(f"run {run_id!r} has no version {version} (published: {versions[0]}..{versions[-1]})")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="conveyor-export-") as tmp:
+        staged = Path(tmp)
+        stored = {i.key.rsplit("/", 1)[1] for i in store.list(keys.model_files_prefix(run_id))}
+        for name in MODEL_FILES:
+            if name in stored:
+                (staged / name).write_bytes(store.get(keys.model_file_key(run_id, name)))
+            elif base is not None and Path(base, name).is_file():
+                shutil.copyfile(Path(base, name), staged / name)
+        if not (staged / "config.json").is_file():
+            raise ExportError(
+                f"run {run_id!r} stored no model config (runs/{run_id}/model/): pass the model it started from as base"
+            )
+        if not any((staged / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise ExportError(
+                f"run {run_id!r} stored no tokenizer (runs/{run_id}/model/): pass the model it started from as base"
+            )
+        (staged / "model.safetensors").write_bytes(store.get(keys.weights_key(run_id, version)))
+        model = AutoModelForCausalLM.from_pretrained(staged, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        for name in MODEL_FILES:
+            if name not in ("config.json", "generation_config.json") and (staged / name).is_file():
+                shutil.copyfile(staged / name, out / name)
+    return {
+        "run_id": run_id,
+        "version": version,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "files": sorted(p.name for p in out.iterdir()),
+    }
