@@ -18,7 +18,7 @@ the grid and the first batches decide the ratio. Both runs are sampled at
 the same times, so neither gets more chances to touch the threshold, and no
 evaluation competes with the pipeline for the two cores while it runs.
 ``--eval-every S`` instead evaluates every S seconds inside the runs (the
-demo's own display; 100 problems), the method of the earlier figures.
+demo's own display; 100 problems).
 
     python bench/async_vs_sync.py [--seeds 0 1 2] [--budget 40] [--threshold 0.9] [--max-lag N] [--updates-per-batch N] [--no-engine-process] [--no-learner-process]
 

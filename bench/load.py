@@ -7,7 +7,7 @@ from ``/proc`` every ``--sample-s`` seconds. The programs being scored (the
 descendants of the sandbox's fork server, ``harness.py``: one job at a time,
 each bounded by the sandbox's memory limit and gone when it ends) are the
 workload, not the service, and are counted apart: sampled while one runs,
-they made the reward worker look like a saw tooth (155 → 187 → 155 MiB).
+they would make the reward worker look like a saw tooth (155 → 187 → 155 MiB).
 
 The level after warm-up is the median of the samples in the minute after
 ``--warmup-minutes``. ``load_rss_growth_max``: the largest single sample of

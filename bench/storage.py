@@ -5,7 +5,7 @@
    consume, decode, Parquet, put-if-absent to S3, manifest, commit) is timed
    until every rollout is in the lake. Reported in rollouts/s, against the
    demo's rollout rate (``--demo-rate``, the steady rate `conveyor demo`
-   reports; measured in the same session, see docs/BENCHMARKS.md).
+   reports, measured on the same machine; see docs/BENCHMARKS.md).
 2. Replay: the lake's parts are read back as ``ScoredRollout`` objects by
    ``LakeReader.iter`` (GET + Parquet decode + struct construction, 4 parts
    in flight) and as Arrow tables by ``LakeReader.iter_tables`` (GET +
@@ -158,7 +158,7 @@ def main() -> None:
         "--demo-rate",
         type=float,
         default=1000.0,
-        help="rollouts/s of `conveyor demo` (its display; 909-1,109 over three seeds on 2026-12-02)",
+        help="rollouts/s of `conveyor demo` (its display; 909-1,109 over three seeds)",
     )
     ap.add_argument("--sink-inflight", type=int, default=2, help="flushes the sink runs at once (StorageSink.max_inflight)")
     ap.add_argument("--compression", default=None, help="Parquet codec of the parts (default: storage.lake.COMPRESSION)")

@@ -99,7 +99,7 @@ class Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="t"
 
     Contract structs are ``gc=False``: plain data that never forms a reference
     cycle, so the garbage collector need not track them (a sink or replay
-    holding thousands decoded them 3x slower when it did; docs/BENCHMARKS.md).
+    holding thousands decodes them 3x slower when it does; docs/BENCHMARKS.md).
     Do not put a message inside its own fields' containers."""
 
     schema_version: int = SCHEMA_VERSION

@@ -6,7 +6,7 @@
   object store (``object_store.connect_deadline_s``).
 - :func:`startup_frozen`: keep what start-up built (modules, the model,
   ~400k objects in a rollout worker) out of the garbage collector's full
-  collections while the service runs (each took ~0.3 s with the GIL held).
+  collections while the service runs (each would take ~0.3 s with the GIL held).
 """
 
 from __future__ import annotations

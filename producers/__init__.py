@@ -1,1 +1,1 @@
-"""producers service (see docs/ARCHITECTURE.md). Not built yet: its issue is open."""
+"""producers service: tasks from the built-in suites, files and HTTP onto the tasks topic, within the admission credits (see docs/ARCHITECTURE.md)."""

@@ -1,1 +1,1 @@
-"""reward service (see docs/ARCHITECTURE.md). Not built yet: its issue is open."""
+"""reward service: the bridge (rollouts topic -> scorer -> scored topic) and the Celery reward workers around the sandbox (see docs/ARCHITECTURE.md)."""

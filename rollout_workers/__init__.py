@@ -1,1 +1,1 @@
-"""rollout_workers service (see docs/ARCHITECTURE.md). Not built yet: its issue is open."""
+"""rollout_workers service: tasks topic -> engine (vLLM or the reference engine) -> rollouts topic, following the published weights (see docs/ARCHITECTURE.md)."""

@@ -32,10 +32,10 @@ keeps a directory descriptor to it). ``/proc`` is hidden the same way.
 On a timeout or an output overrun the harness SIGKILLs S: the kernel kills
 everything in its namespace, and the slot's next job gets a new S.
 
-A job used to get a supervisor and namespaces of its own (two processes
-per job); its start-up, exit and copy-on-write faults were half of a job's
-CPU on small programs. A slot's S now lives as long as the harness (warm
-mode) or the batch.
+A slot's S lives as long as the harness (warm mode) or the batch, not one
+job: with a supervisor and namespaces per job (two processes per job), their
+start-up, exit and copy-on-write faults are a large share of a small
+program's CPU (docs/BENCHMARKS.md, "A supervisor per slot").
 
 S is created by the ``clone`` system call with the namespace flags (fork
 semantics: the child resumes where the parent called it), not by ``unshare``

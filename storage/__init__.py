@@ -1,1 +1,1 @@
-"""Object store and (later) the trajectory lake: a library every service may use, and the storage sink."""
+"""storage service: the trajectory lake (Parquet parts in the object store), its replay and run metadata, and the storage sink (see docs/ARCHITECTURE.md)."""

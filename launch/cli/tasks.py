@@ -28,7 +28,7 @@ app = typer.Typer(help="Task files: check them, publish them to a run.", no_args
 
 FILE = typer.Argument(..., help="Tasks: JSONL (optionally gzipped) or Parquet.")
 PRESET = typer.Option(None, "--preset", help="plain | verl | trl (default: plain, or the mapping's own).")
-MAPPING = typer.Option(None, "--mapping", help="YAML of field-mapping overrides (see producers/loaders.py).")
+MAPPING = typer.Option(None, "--mapping", help="YAML of field-mapping overrides (see producers/loaders/mapping.py).")
 MAX_ERROR_LINES = 20  # submit prints this many rejections, then a count
 
 

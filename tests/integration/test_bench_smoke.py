@@ -1,5 +1,5 @@
 """The prepared GPU benchmark runs end to end (tiny shape, CPU), so it does not rot
-between sessions that have a GPU."""
+while no machine with a GPU runs it."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 Python 3.11's ``asyncio.wait_for`` returns normally when the task awaiting it is
 cancelled in the same loop turn as the awaited future completes: the heartbeat
-loop then went on beating and ``ServiceClients.__aexit__`` waited for it for good
-(a demo run stuck at shutdown, reported as "rollout-worker still running 120 s
-after being told to stop"). The loop now also ends on a flag that close sets.
+loop would then go on beating and ``ServiceClients.__aexit__`` wait for it for good
+(a demo stuck at shutdown: "rollout-worker still running 120 s after being told
+to stop"). So the loop also ends on a flag that close sets.
 """
 
 from __future__ import annotations
