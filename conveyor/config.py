@@ -223,9 +223,50 @@ class ProducerConfig(_Section):
     """Schedule the suite through producers/curriculum.py (re-queue mixed, retire solved, keep hard ones coming)."""
     min_hard_fraction: float = Field(0.1, ge=0, le=1)
 
+    @field_validator("group_size")
+    @classmethod
+    def _group_can_be_trained(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError("must be >= 2: GRPO's advantages are relative to the group's mean; a group of one trains nothing")
+        return v
+
+
+class SamplingDefaults(_Section):
+    """Sampling for the tasks that carry none of their own (a task's ``sampling`` wins whole)."""
+
+    max_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings, besides the tokenizer's own end-of-sequence token."""
+
+
+class DataConfig(_Section):
+    """A user's dataset as the producer's source: JSONL (optionally gzipped) or Parquet files in a
+    known layout (``producers/loaders``). When ``files`` is set the producer streams them instead of
+    ``producer.suite``; a task without a group size gets ``producer.group_size``."""
+
+    files: list[Path] = Field(default_factory=list)
+    preset: Literal["plain", "verl", "trl"] | None = None
+    """The files' layout (None: plain, or the mapping's own preset)."""
+    mapping: dict[str, Any] | None = None
+    """Field-mapping overrides (``producers/loaders/mapping.py``'s FieldMapping fields)."""
+    split: Literal["train", "heldout"] = "train"
+    """Which records the producer streams (the others are held out)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the data. Each pass re-issues every task with ``attempt`` = the pass, so its
+    rollout ids are new and each pass is trained on exactly once."""
+    shuffle_seed: int | None = 0
+    """Each pass in a new order drawn from this seed (None: file order every pass)."""
+    on_error: Literal["fail", "skip"] = "fail"
+    """A bad record: refuse to start, naming file, line and field; or skip it (logged and counted)."""
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+
 
 class LearnerConfig(_Section):
-    """The learner's batching, objective and durability."""
+    """The learner's batching, objective and durability. The learner (``learner/recipe.py``) takes this
+    section whole, and its loss settings (``learner.grpo.LossConfig``) are derived from it: these are
+    the learner's only defaults."""
 
     batch_groups: int = Field(16, ge=1)
     """Complete groups per training step."""
@@ -234,7 +275,9 @@ class LearnerConfig(_Section):
     stale_decay: float = Field(0.0, ge=0, lt=1)
     """0: drop samples older than max_lag; in (0, 1): keep them, advantage scaled by stale_decay ** (lag - max_lag)."""
     lr: float = Field(5e-4, gt=0)
+    """AdamW's learning rate (no weight decay)."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps over which the learning rate rises linearly to lr (0: none)."""
     group_timeout_s: float = Field(60.0, gt=0)
     """A group still incomplete after this long is dropped (and counted)."""
     straggler_wait_s: float = Field(10.0, ge=0)
@@ -388,6 +431,7 @@ class RunConfig(BaseSettings):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     bridge: BridgeConfig = Field(default_factory=BridgeConfig)
     sink: SinkConfig = Field(default_factory=SinkConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)

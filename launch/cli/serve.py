@@ -206,10 +206,9 @@ def learner(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conveyor.topics import Topics
     from learner.distributed import RankGroup, shard
-    from learner.grpo import LossConfig
     from learner.recipe import GRPOLearner
+    from learner.trainer import Trainer
 
     cfg = _load(config, "learner")
     lc = cfg.learner
@@ -224,31 +223,30 @@ def learner(
         policy.gradient_checkpointing_enable()
     if ranks is not None:
         policy = shard(policy, mixed_precision=torch.cuda.is_available())
-    loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, max_importance_weight=lc.max_importance_weight,
-                      std_normalise=lc.std_normalise, aggregation=lc.aggregation, objective=lc.objective,
-                      kl_coef=lc.kl_coef, entropy_coef=lc.entropy_coef)  # fmt: skip
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
+    admission_bound = (lc.max_lag + 1) * lc.batch_groups * cfg.producer.group_size  # the rollout workers'
+
+    def refused(exc: ValueError) -> typer.Exit:
+        typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
+        return typer.Exit(2)
 
     def build(transport, topics, store) -> GRPOLearner:
         try:
-            return GRPOLearner(
-                transport, topics, policy, tok.pad_token_id, store, run_dir=out,
-                batch_groups=lc.batch_groups, max_lag=lc.max_lag, stale_decay=lc.stale_decay, lr=lc.lr, loss=loss,
-                group_timeout_s=lc.group_timeout_s, straggler_wait_s=lc.straggler_wait_s,
-                admission_bound=(lc.max_lag + 1) * lc.batch_groups * cfg.producer.group_size, keep_versions=lc.keep_versions, publish_every=lc.publish_every, checkpoint_every=lc.checkpoint_every,
-                keep_checkpoints=lc.keep_checkpoints, warmup_steps=lc.warmup_steps, pack_tokens=lc.pack_tokens,
-                micro_batch=lc.micro_batch, ranks=ranks, step_process=lc.step_process, updates_per_batch=lc.updates_per_batch,
-            )  # fmt: skip
+            return GRPOLearner(transport, topics, policy, tok.pad_token_id, store, lc, run_dir=out,
+                               admission_bound=admission_bound, ranks=ranks)  # fmt: skip
         except ValueError as exc:
-            typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2) from None
+            raise refused(exc) from None
 
     if ranks is not None and not ranks.leader:
         # Rank 0 decides when to stop (it checkpoints first, with every rank): ignore torchrun's signals.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        build(None, Topics(cfg.run_id), None).follow()
+        try:
+            follower = Trainer(policy, tok.pad_token_id, lc, ranks=ranks)
+        except ValueError as exc:
+            raise refused(exc) from None
+        follower.follow()
         ranks.close()
         return
     _run_service(cfg, build)
@@ -306,10 +304,11 @@ def rollout_worker(
 
 @app.command("producer")
 def producer(config: Path = CONFIG) -> None:
-    """Streams the configured built-in suite to the tasks topic within the pipeline's credits, and serves
-    the HTTP API (producer.http_port) for services that submit their own tasks."""
+    """Streams the run's data files (data:), or its built-in suite, to the tasks topic within the pipeline's
+    credits, and serves the HTTP API (producer.http_port) for services that submit their own tasks."""
     import uvicorn
 
+    from conveyor.errors import ConfigError
     from conveyor.objectstore import wait_for_object_store
     from conveyor.runtime import startup_frozen
     from conveyor.topics import Topics
@@ -318,6 +317,11 @@ def producer(config: Path = CONFIG) -> None:
 
     cfg = _load(config, "producer")
     pc = cfg.producer
+    try:
+        source = build.task_source(cfg)  # the data files are read and checked before anything starts
+    except ConfigError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
 
     async def main(stop: asyncio.Event) -> None:
         transport = open_transport(cfg.transport)
@@ -329,9 +333,9 @@ def producer(config: Path = CONFIG) -> None:
             api = build.build_api(cfg, transport)
             server = uvicorn.Server(uvicorn.Config(api, host=pc.http_host, port=pc.http_port, log_config=None, access_log=False))
             jobs.append(asyncio.create_task(server.serve()))
-        if pc.suite:
+        if source is not None:
             store = await wait_for_object_store(cfg.object_store)
-            prod = build.build(cfg, transport, topics, store)
+            prod = build.build(cfg, transport, topics, store, source)
             jobs.append(asyncio.create_task(prod.run(stop)))
         stopper = asyncio.create_task(stop.wait())
         try:
