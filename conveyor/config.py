@@ -232,7 +232,8 @@ class ProducerConfig(_Section):
 
 
 class SamplingDefaults(_Section):
-    """Sampling for the tasks that carry none of their own (a task's ``sampling`` wins whole)."""
+    """Sampling for the tasks that carry none of their own (a task's ``sampling`` wins whole): the
+    producer fills them into a data file's tasks, the rollout worker applies them to any other."""
 
     max_tokens: int = Field(512, ge=1)
     temperature: float = Field(1.0, ge=0)
@@ -244,7 +245,8 @@ class SamplingDefaults(_Section):
 class DataConfig(_Section):
     """A user's dataset as the producer's source: JSONL (optionally gzipped) or Parquet files in a
     known layout (``producers/loaders``). When ``files`` is set the producer streams them instead of
-    ``producer.suite``; a task without a group size gets ``producer.group_size``."""
+    ``producer.suite``; a task without a group size gets ``producer.group_size``, one without
+    sampling parameters the run's ``sampling``."""
 
     files: list[Path] = Field(default_factory=list)
     preset: Literal["plain", "verl", "trl"] | None = None
@@ -260,7 +262,6 @@ class DataConfig(_Section):
     """Each pass in a new order drawn from this seed (None: file order every pass)."""
     on_error: Literal["fail", "skip"] = "fail"
     """A bad record: refuse to start, naming file, line and field; or skip it (logged and counted)."""
-    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
 
 
 class LearnerConfig(_Section):
@@ -432,6 +433,7 @@ class RunConfig(BaseSettings):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     bridge: BridgeConfig = Field(default_factory=BridgeConfig)
     sink: SinkConfig = Field(default_factory=SinkConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)

@@ -3,7 +3,7 @@
 Every file is loaded and checked at start (a bad record refuses the start, naming file, line
 and field, unless ``data.on_error`` is ``skip``), so a run never stops halfway through its data
 on a record it could have refused at once. Tasks get what their records do not carry from the
-run config: the group size (``producer.group_size``) and the sampling (``data.sampling``).
+run config: the group size (``producer.group_size``) and the sampling (``sampling``).
 
 Epochs re-issue every task with ``attempt`` set to the pass: rollout ids derive from task id,
 sample index and attempt, so each pass's rollouts are new ones, trained on exactly once like the
@@ -49,7 +49,7 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     if mapping.default_group_size < 2:
         # the record's own group size wins; the run's fills in where it has none
         mapping = mapping.model_copy(update={"default_group_size": cfg.producer.group_size})
-    defaults = SamplingParams(**data.sampling.model_dump())
+    defaults = SamplingParams(**cfg.sampling.model_dump())
     out = Dataset(tasks=[])
     seen: dict[str, str] = {}
     for path in data.files:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import structlog
 
 from conveyor.config import RolloutConfig, RunConfig
+from conveyor.contracts import SamplingParams
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -57,4 +58,5 @@ def build(
         scorer=scorer,
         tool_sandbox=tool_sandbox,
         metrics=metrics,
+        default_sampling=SamplingParams(**cfg.sampling.model_dump()),
     )

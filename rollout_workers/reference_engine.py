@@ -39,6 +39,16 @@ class ReferenceEngine(Tokenizing):
     def max_context(self) -> int:
         return int(self.model.config.max_position_embeddings)
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Where a completion ends: the tokenizer's EOS and the generation config's (a chat model's
+        end-of-turn, ``<|im_end|>``, is often only there), as vLLM stops."""
+        ids = {self.tokenizer.eos_token_id}
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return {int(i) for i in ids if i is not None}
+
     def load_state_dict(self, state: dict, version: int) -> None:
         """Swap to ``state`` (a full or HF-style state dict, tied weights stored once)."""
         with self._lock:
@@ -75,7 +85,7 @@ class ReferenceEngine(Tokenizing):
         """``n`` completions for each prompt, grouped per prompt."""
         import torch
 
-        stop = set(stop_token_ids or ()) | {self.tokenizer.eos_token_id}
+        stop = set(stop_token_ids or ()) | self.eos_token_ids
         batch = len(prompts) * n  # sample rows: prompt k's samples are rows k*n .. k*n+n-1
         if batch == 0:
             return []

@@ -44,6 +44,7 @@ from conveyor.admission import AdmissionLedger, admissible
 from conveyor.contracts import (
     LearnerProgress,
     Rollout,
+    SamplingParams,
     Task,
     Timings,
     VersionSegment,
@@ -80,6 +81,7 @@ class RolloutWorker:
         max_context_tokens: int | None = None,
         metrics=None,
         tool_sandbox=None,
+        default_sampling: SamplingParams | None = None,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -93,6 +95,9 @@ class RolloutWorker:
         self.group_id = group_id or topics.group("rollout-workers")
         self.scorer = scorer  # executes attempts of multi-turn tasks (the reward service)
         self.tool_sandbox = tool_sandbox  # runs tool turns of terminal tasks in persistent workspaces
+        # For a task that carries no sampling: the run config's (rollout_workers/build.py); built
+        # directly (tests, benchmarks), short completions.
+        self.default_sampling = default_sampling or SamplingParams(max_tokens=16)
         self.max_context_tokens = max_context_tokens or getattr(self.engine, "max_context", None) or 4096
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
@@ -289,15 +294,15 @@ class RolloutWorker:
 
     async def _sample(self, task: Task) -> list[Rollout]:
         started = time.time()
-        sp = task.sampling
-        stop_ids = frozenset(ids[0] for s in (sp.stop if sp else ()) if len(ids := self.engine.encode(s)) == 1)
+        sp = task.sampling or self.default_sampling
+        stop_ids = frozenset(ids[0] for s in sp.stop if len(ids := self.engine.encode(s)) == 1)
         prompt = self.engine.encode_prompt(task.prompt, task.messages)
         request = SamplingRequest(
             prompt,
             n=task.group_size,
-            max_tokens=sp.max_tokens if sp else 16,
-            temperature=sp.temperature if sp else 1.0,
-            top_p=sp.top_p if sp else 1.0,
+            max_tokens=sp.max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
             stop_token_ids=stop_ids,
             request_id=f"{task.task_id}/{task.attempt}/{self.worker_id}",
         )

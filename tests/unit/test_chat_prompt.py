@@ -47,3 +47,20 @@ def test_the_saved_model_directory_loads_with_its_template(tmp_path):
 def test_a_plain_prompt_is_encoded_as_is():
     tok = bpe_chat_tokenizer()
     assert _Engine(tok).encode_prompt("What is 12 + 30?") == tok("What is 12 + 30?", add_special_tokens=False).input_ids
+
+
+def test_the_reference_engine_serves_a_chat_model_and_stops_at_its_end_of_turn(tmp_path):
+    from transformers import GenerationConfig
+
+    from rollout_workers.reference_engine import ReferenceEngine
+
+    made = bpe_chat_tokenizer()
+    model_dir = create_tiny_qwen2_chat(tmp_path / "m", tokenizer=made)
+    end_of_turn, end_of_text = made.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    GenerationConfig(eos_token_id=[end_of_turn, end_of_text]).save_pretrained(model_dir)
+    engine = ReferenceEngine(model_dir, seed=0)
+    assert engine.eos_token_ids == {end_of_turn, end_of_text}
+    prompt = engine.encode_prompt(None, MESSAGES)
+    assert prompt == _Engine(made).encode_prompt(None, MESSAGES)  # the engine renders as the tokenizer does
+    ((a, b),) = engine.generate([prompt], 2, max_new_tokens=6)
+    assert len(a.token_ids) == len(a.logprobs) and all(x <= 0 for x in a.logprobs)

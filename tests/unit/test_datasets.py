@@ -43,7 +43,10 @@ def cfg_for(**data):
 
 def test_a_verl_file_becomes_trainable_chat_tasks(tmp_path):
     path = write_verl(tmp_path / "gsm8k.parquet", verl_rows(6))
-    cfg = cfg_for(files=[str(path)], preset="verl", sampling={"max_tokens": 300, "temperature": 0.8, "stop": ["\n\n"]})
+    cfg = cfg_for(files=[str(path)], preset="verl")
+    cfg = cfg.model_copy(
+        update={"sampling": cfg.sampling.model_copy(update={"max_tokens": 300, "temperature": 0.8, "stop": ["\n\n"]})}
+    )
     ds = load_dataset(cfg)
     assert (len(ds.tasks), ds.records, ds.held_out) == (5, 6, 1)
     task = ds.tasks[0]
