@@ -81,6 +81,26 @@ class AsyncEngine(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def cut_at_stop_strings(c: Completion, stops: tuple[str, ...], decode) -> Completion:
+    """``c`` ended after the first token that completes one of ``stops`` (the stop string kept, as
+    vLLM's ``include_stop_str_in_output``); unchanged when no stop string occurs.
+
+    Stop strings of one token are stop tokens already; a longer one can only be found in the text.
+    Whether a prefix of the tokens contains a stop string is monotone in the prefix's length, so
+    the shortest such prefix takes a binary search of decodes, not one per token."""
+    if not stops or not c.token_ids or not any(s in decode(c.token_ids) for s in stops):
+        return c
+    lo, hi = 1, len(c.token_ids)  # the shortest prefix containing a stop string lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(c.token_ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    segments = tuple((a, min(b, lo), v) for a, b, v in c.segments if a < lo)
+    return Completion(c.token_ids[:lo], c.logprobs[:lo], "stop", c.policy_version, segments)
+
+
 def check_weights(data: bytes, expected: dict[str, tuple[int, ...]], *, tied: set[str] = frozenset()) -> None:
     """Raise :class:`WeightsRejected` unless ``data`` (safetensors) holds exactly the tensors of
     ``expected`` (name -> shape), ``tied`` names optional. Reads only the header."""

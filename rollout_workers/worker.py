@@ -58,7 +58,7 @@ from conveyor.metrics import process_rollout_metrics
 from conveyor.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
-from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected
+from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected, cut_at_stop_strings
 from rollout_workers.multiturn import run_episodes
 
 log = structlog.get_logger(__name__)
@@ -295,7 +295,9 @@ class RolloutWorker:
     async def _sample(self, task: Task) -> list[Rollout]:
         started = time.time()
         sp = task.sampling or self.default_sampling
-        stop_ids = frozenset(ids[0] for s in sp.stop if len(ids := self.engine.encode(s)) == 1)
+        encoded = [(s, self.engine.encode(s)) for s in sp.stop]
+        stop_ids = frozenset(ids[0] for _, ids in encoded if len(ids) == 1)
+        stop_texts = tuple(s for s, ids in encoded if len(ids) > 1)
         prompt = self.engine.encode_prompt(task.prompt, task.messages)
         request = SamplingRequest(
             prompt,
@@ -317,6 +319,8 @@ class RolloutWorker:
         if task.max_turns > 1:
             log.warning("rollout_worker.single_turn", task_id=task.task_id, reason="no scorer configured for multi-turn tasks")
         completions = await self.engine.generate(request)
+        if stop_texts:  # stop strings of several tokens are found in the text
+            completions = [cut_at_stop_strings(c, stop_texts, self.engine.decode) for c in completions]
         finished = time.time()
         return [self._rollout(task, prompt, i, c, started, finished) for i, c in enumerate(completions)]
 
