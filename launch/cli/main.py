@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from launch.cli import evaluate as evaluate_cli
 from launch.cli import run as run_cli
 from launch.cli import runs as runs_cli
 from launch.cli import sandbox as sandbox_cli
@@ -36,6 +37,7 @@ app.command("replay")(runs_cli.replay)
 app.add_typer(train_cli.app, name="train")
 app.command("run")(run_cli.run)
 app.command("status")(run_cli.status)
+app.command("eval")(evaluate_cli.evaluate)
 app.add_typer(tasks_cli.app, name="tasks")
 app.command("submit")(tasks_cli.submit)
 
