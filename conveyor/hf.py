@@ -1,6 +1,8 @@
 """Hugging Face model helpers the rollout engine, the learner and the launch layer share.
 
 - :func:`resolve_model`: ``--model`` as a local directory or a Hub id through the local cache.
+- :func:`encode_prompt`: a prompt as token ids, chat messages through the model's chat template
+  (the rollout engines and the learner's SFT render alike).
 - :func:`cache_keyword` and :func:`left_padded`: both the reference engine (to sample) and the
   learner (``learner/grpo.py``, to train) prefill each distinct prompt once with a KV cache and
   run the samples' tokens on it; the prompts are left-padded into one batch so every row's last
@@ -10,6 +12,27 @@
 from __future__ import annotations
 
 from pathlib import Path
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def encode_prompt(tokenizer, prompt: str | None, messages=None) -> list[int]:
+    """A task's prompt: plain text as is; chat messages (objects or dicts with ``role`` and
+    ``content``) through the model's chat template, with the assistant's turn opened
+    (``role: content`` lines, then ``assistant:``, for a tokenizer without a template).
+
+    The template is rendered to text and the text encoded without adding special tokens: the
+    template writes its own (BOS, ``<|im_start|>``), and ``tokenize=True`` returns a
+    ``BatchEncoding`` in transformers 5 but a list in 4."""
+    if not messages:
+        return encode(tokenizer, prompt or "")
+    turns = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+    turns = [{"role": m["role"], "content": m["content"]} for m in turns]
+    if getattr(tokenizer, "chat_template", None):
+        return encode(tokenizer, tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
+    return encode(tokenizer, "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: ")
 
 
 def cache_keyword(model) -> str:

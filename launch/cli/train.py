@@ -1,4 +1,5 @@
-"""``conveyor train rft|dpo``: offline post-training from a run's lake."""
+"""``conveyor train sft|rft|dpo``: supervised fine-tuning on a demonstrations file, and offline
+post-training from a run's lake."""
 
 from __future__ import annotations
 
@@ -31,6 +32,46 @@ def _save(model, tok, out: Path, stats: dict) -> None:
     tok.save_pretrained(out)
     (out / "offline_stats.json").write_text(json.dumps(stats, indent=2))
     typer.echo(json.dumps(stats, indent=2))
+
+
+@app.command("sft")
+def sft(
+    data: Path = typer.Option(
+        ..., "--data", exists=True, dir_okay=False, help="Demonstrations: JSONL or Parquet (prompt/completion or messages)."
+    ),
+    model: str = MODEL,
+    out: Path = OUT,
+    epochs: int = typer.Option(1, min=1),
+    batch_size: int = typer.Option(16, min=1),
+    lr: float = typer.Option(2e-5, min=0.0),
+    max_tokens: int | None = typer.Option(None, min=1, help="Refuse demonstrations longer than this (prompt + reply)."),
+    on_error: str = typer.Option("fail", help="fail: refuse the file at its first bad record | skip: skip such records"),
+    seed: int = typer.Option(0),
+) -> None:
+    """SFT on your demonstrations, rendered with the model's chat template as the rollout engines render prompts."""
+    from learner.demonstrations import demonstrations, train_sft
+    from producers.loaders.formats import read_records
+
+    if on_error not in ("fail", "skip"):
+        raise typer.BadParameter("fail or skip", param_hint="--on-error")
+    m, tok = _load(model)
+    raws = list(read_records(data, 1024))
+    unreadable = [f"{data}:{r.line if r.line is not None else f'row {r.row}'}: {r.error}" for r in raws if r.error]
+    records = [(f"{data}:{r.line if r.line is not None else f'row {r.row}'}", r.record) for r in raws if not r.error]
+    examples, bad = demonstrations(records, tok, max_tokens=max_tokens)
+    problems = unreadable + [str(b) for b in bad]
+    for line in problems[:20]:
+        typer.echo(line, err=True)
+    if problems and on_error == "fail":
+        typer.secho(f"{len(problems)} bad record(s) in {data}; --on-error skip to skip them", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    try:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        stats = train_sft(m, examples, pad, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed)
+    except ValueError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    _save(m, tok, out, {**stats, "skipped": len(problems)})
 
 
 @app.command("rft")
