@@ -82,6 +82,17 @@ def config_validate(
         f"{file}: ok (run {cfg.run_id}, transport {cfg.transport.type}, object store {cfg.object_store.type}, "
         f"celery {cfg.celery.type})"
     )
+    if cfg.data.files:  # every record is checked now, as the producer checks it at start
+        from producers.datasets import load_dataset
+
+        try:
+            ds = load_dataset(cfg)
+        except ConfigError as exc:
+            fail(str(exc), exc.exit_code)
+        typer.echo(
+            f"  data: {len(ds.tasks)} {cfg.data.split} tasks from {ds.records} records "
+            f"({len(ds.rejected)} rejected, {ds.held_out} of the other split), {cfg.data.epochs} epoch(s)"
+        )
     if show:
         import yaml
 

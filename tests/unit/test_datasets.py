@@ -117,3 +117,19 @@ def test_what_cannot_be_trained_is_refused_with_the_field_named(tmp_path):
     heldout_only = write_verl(tmp_path / "h.parquet", verl_rows(1))
     with pytest.raises(ConfigError, match="no train tasks"):
         load_dataset(cfg_for(files=[str(heldout_only)], preset="verl"))
+
+
+def test_config_validate_checks_the_data_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from launch.cli.main import app
+
+    good = write_verl(tmp_path / "gsm8k.parquet", verl_rows(5))
+    rows = verl_rows(3)
+    rows[2]["prompt"] = []
+    bad = write_verl(tmp_path / "bad.parquet", rows)
+    for path, code, says in [(good, 0, "data: 4 train tasks from 5 records"), (bad, 2, "bad.parquet:row 2: prompt")]:
+        cfg = tmp_path / "run.yaml"
+        cfg.write_text(json.dumps({"run_id": "v", "data": {"files": [str(path)], "preset": "verl"}}))
+        out = CliRunner().invoke(app, ["config", "validate", str(cfg)])
+        assert out.exit_code == code and says in out.output, out.output
