@@ -95,7 +95,8 @@ def evaluate(
     summary = report.summary()
     typer.echo(json.dumps(summary, indent=2))
     for key in ("pass_at_1", "pass_at_k", "mean_reward", "mean_tokens"):
-        typer.echo(f"FIGURE eval_{key} {summary[key]:.4f}")
+        unit = "tokens" if key == "mean_tokens" else "fraction"
+        typer.echo(f"FIGURE eval_{key} {summary[key]:.4f} {unit}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"data": str(data), "model": model, "run": run, **report.to_json()}, indent=2))

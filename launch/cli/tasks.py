@@ -158,6 +158,8 @@ def submit_file(
         fmap = mapping
     else:
         fmap = load_mapping(mapping, preset) if mapping is not None else resolve_mapping(preset=preset)
+    if fmap.default_group_size < 2:  # a record without a group size gets the run's, as over HTTP
+        fmap = fmap.model_copy(update={"default_group_size": cfg.producer.group_size})
     # A task the broker would refuse is a rejected record, not a failed submit halfway through.
     limit = getattr(cfg.transport, "max_request_bytes", None)
     loader = TaskLoader(
@@ -197,7 +199,10 @@ def submit(
         "fail", "--on-error", help="fail: stop at the first bad record, publish nothing; skip: publish the good ones."
     ),
     group_size: int | None = typer.Option(
-        None, "--group-size", min=1, help="Samples per task, for every task (overrides the file's)."
+        None,
+        "--group-size",
+        min=1,
+        help="Samples per task, for every task (overrides the file's; default: the file's, else producer.group_size).",
     ),
 ) -> None:
     """Publish every task of a file to a run's tasks topic and wait for the broker's acks."""
