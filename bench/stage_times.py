@@ -84,7 +84,7 @@ def one_run(
     import rollout_workers.reference_engine
 
     totals = {"train": 0.0, "generate": 0.0, "score": 0.0}
-    _timed(learner.recipe.GRPOLearner, "_train_step", totals, "train")
+    _timed(learner.recipe.GRPOLearner, "train_step", totals, "train")
     engines = rollout_workers.process_engine.ProcessEngine if engine_process else rollout_workers.reference_engine.ReferenceEngine
     _timed(engines, "generate", totals, "generate")  # in the child's case: the call's round trip
     _timed(reward.scorers, "score_batch", totals, "score")

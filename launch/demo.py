@@ -149,10 +149,9 @@ def _task_stream(cfg: DemoConfig, run_id: str, rng: random.Random):
 
 
 async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
-    from conveyor.config import SinkConfig
+    from conveyor.config import LearnerConfig, SinkConfig
     from conveyor.topics import Topics
     from conveyor.transport.memory import MemoryTransport
-    from learner.grpo import LossConfig
     from learner.recipe import GRPOLearner
     from producers.producer import TaskProducer
     from reward.bridge import RewardBridge
@@ -179,23 +178,20 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
         max_inflight_tasks=cfg.batch_groups * (2 if cfg.engine == "vllm" else 1),
     )
     bridge = RewardBridge(transport, topics, LocalScorer(ctx["sandbox"]), ctx["engine"].decode)
-    learner = GRPOLearner(
-        transport,
-        topics,
-        ctx["model"],
-        ctx["pad_id"],
-        ctx["store"],
-        run_dir=ctx["run_dir"],
+    learner_cfg = LearnerConfig(
         batch_groups=cfg.batch_groups,
         max_lag=max_lag,
         lr=cfg.lr,
         checkpoint_every=25,
         keep_versions=cfg.keep_versions,
         pack_tokens=cfg.pack_tokens,
-        loss=LossConfig(objective=cfg.objective, entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef),
+        objective=cfg.objective,
+        entropy_coef=cfg.entropy_coef,
+        kl_coef=cfg.kl_coef,
         step_process=cfg.learner_process,
         updates_per_batch=cfg.updates_per_batch,
     )
+    learner = GRPOLearner(transport, topics, ctx["model"], ctx["pad_id"], ctx["store"], learner_cfg, run_dir=ctx["run_dir"])
     sink = StorageSink(transport, topics, ctx["store"], SinkConfig(flush_s=2.0))
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)
 

@@ -13,7 +13,7 @@ The learner service on several ranks (``conveyor serve learner`` under
 ``torchrun``) uses ``RankGroup``: rank 0 is the learner (it consumes the
 scored topic, builds batches, publishes weights, writes checkpoints) and
 sends every collective operation to the other ranks, which follow
-(``GRPOLearner.follow``). Commands travel on a gloo group of their own
+(``Trainer.follow``, learner/trainer.py). Commands travel on a gloo group of their own
 (objects pickled by ``broadcast_object_list``), so the followers can wait
 for the next batch as long as rollouts take to arrive, whatever backend
 the training collectives use. State dicts are gathered and loaded with

@@ -33,23 +33,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from conveyor.config import LearnerConfig
 from conveyor.hf import cache_keyword, left_padded
+
+
+def _default(name: str):
+    return LearnerConfig.model_fields[name].default
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    max_importance_weight: float = 5.0
-    std_normalise: bool = True
-    aggregation: str = "token"  # "token" | "sequence"
-    objective: str = "behaviour"  # "behaviour" | "decoupled" | "on_policy"
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    """The objective's settings: the fields of ``LearnerConfig`` (conveyor/config.py) that the loss
+    reads, under the same names and with its defaults (``LossConfig.of`` takes them from a config)."""
+
+    clip_low: float = _default("clip_low")
+    clip_high: float = _default("clip_high")
+    max_importance_weight: float = _default("max_importance_weight")
+    std_normalise: bool = _default("std_normalise")
+    aggregation: str = _default("aggregation")  # "token" | "sequence"
+    objective: str = _default("objective")  # "behaviour" | "decoupled" | "on_policy"
+    kl_coef: float = _default("kl_coef")
+    entropy_coef: float = _default("entropy_coef")
+
+    @classmethod
+    def of(cls, config: LearnerConfig) -> LossConfig:
+        """The loss settings of a learner config."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 def group_advantages(rewards: list[float], std_normalise: bool = True, eps: float = 1e-6) -> list[float] | None:

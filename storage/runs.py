@@ -49,13 +49,13 @@ def write_run_meta(store: ObjectStore, run_id: str, config: dict, **extra) -> No
 
 
 def upload_run_files(store: ObjectStore, run_id: str, files: list[Path]) -> list[str]:
-    keys = []
+    written = []
     for f in files:
         if f.exists():
             key = keys.meta_key(run_id, f.name)
             store.put_file(key, f)
-            keys.append(key)
-    return keys
+            written.append(key)
+    return written
 
 
 def list_runs(store: ObjectStore) -> list[dict]:

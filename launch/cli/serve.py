@@ -131,12 +131,12 @@ def reward_bridge(
     tokenizer: Path = typer.Option(
         ..., "--tokenizer", exists=True, help="Model directory (or tokenizer.json) to decode completions."
     ),
-    max_batch: int | None = typer.Option(None, min=1, help="Rollouts per poll [default: bridge.max_batch]."),
+    max_batch: int | None = typer.Option(None, min=1, help="Rollouts per poll (default: bridge.max_batch)."),
     max_inflight: int | None = typer.Option(
-        None, min=1, help="Rollouts being scored at once, published as each completes [default: bridge.max_inflight]."
+        None, min=1, help="Rollouts being scored at once, published as each completes (default: bridge.max_inflight)."
     ),
     drain_timeout: float | None = typer.Option(
-        None, min=1, help="Seconds a stop may take to score what was generated; then exit 1 [default: bridge.drain_timeout_s]."
+        None, min=1, help="Seconds a stop may take to score what was generated; then exit 1 (default: bridge.drain_timeout_s)."
     ),
 ) -> None:
     """Rollouts topic -> Celery reward tasks -> scored topic (offsets committed after publishing)."""
@@ -175,12 +175,12 @@ class _ClosingEngine:
 @app.command("storage-sink")
 def storage_sink(
     config: Path = CONFIG,
-    flush_rows: int | None = typer.Option(None, min=1, help="Flush after this many rollouts... [default: sink.flush_rows]"),
+    flush_rows: int | None = typer.Option(None, min=1, help="Flush after this many rollouts... (default: sink.flush_rows)"),
     flush_s: float | None = typer.Option(
-        None, min=0.05, help="...or when the oldest buffered one is this old [default: sink.flush_s]."
+        None, min=0.05, help="...or when the oldest buffered one is this old (default: sink.flush_s)."
     ),
     max_inflight: int | None = typer.Option(
-        None, min=1, help="Flushes written at once; offsets still commit in order [default: sink.max_inflight]."
+        None, min=1, help="Flushes written at once; offsets still commit in order (default: sink.max_inflight)."
     ),
 ) -> None:
     """Scored topic -> trajectory lake (Parquet in the object store); offsets committed after the store confirms."""
@@ -196,7 +196,7 @@ def learner(
     model: Path = typer.Option(
         ..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."
     ),
-    run_dir: Path | None = typer.Option(None, "--run-dir", help="Local directory for metrics.jsonl [default runs/<run_id>]."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Local directory for metrics.jsonl (default runs/<run_id>)."),
     threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
 ) -> None:
     """Scored topic -> GRPO steps -> weights (object store + weights topic) and progress; resumes from its

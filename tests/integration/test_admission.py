@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from conveyor.config import LearnerConfig
 from conveyor.messaging import ServiceClients
 from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
@@ -69,8 +70,8 @@ async def test_staleness_never_exceeds_max_lag_with_out_of_order_completion(tmp_
     worker = RolloutWorker(transport, topics, engine, store, learner_batch_samples=batch_groups * group, max_lag=max_lag,
                            tasks_per_batch=4, max_inflight_tasks=8)  # fmt: skip
     bridge = RewardBridge(transport, topics, CoinFlips(seed=max_lag), engine.decode)
-    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, run_dir=tmp_path,
-                          batch_groups=batch_groups, max_lag=max_lag, lr=1e-3)  # fmt: skip
+    cfg = LearnerConfig(batch_groups=batch_groups, max_lag=max_lag, lr=1e-3, checkpoint_every=0)
+    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, cfg, run_dir=tmp_path)
     problems = sample_problems(random.Random(1))
     async with ServiceClients(transport, topics.dead_letter, "test") as io:
         pub = io.publisher(topics.tasks)

@@ -15,6 +15,7 @@ from conveyor.contracts import ChatMessage, rollout_id
 from conveyor.errors import ConfigError
 from producers.build import task_source
 from producers.datasets import epochs, load_dataset
+from tests.cli import invoke
 
 
 def verl_rows(n: int) -> list[dict]:
@@ -119,10 +120,7 @@ def test_what_cannot_be_trained_is_refused_with_the_field_named(tmp_path):
         load_dataset(cfg_for(files=[str(heldout_only)], preset="verl"))
 
 
-def test_config_validate_checks_the_data_files(tmp_path):
-    from typer.testing import CliRunner
-
-    from launch.cli.main import app
+def test_config_validate_checks_the_data_files(monkeypatch, tmp_path):
 
     good = write_verl(tmp_path / "gsm8k.parquet", verl_rows(5))
     rows = verl_rows(3)
@@ -131,5 +129,5 @@ def test_config_validate_checks_the_data_files(tmp_path):
     for path, code, says in [(good, 0, "data: 4 train tasks from 5 records"), (bad, 2, "bad.parquet:row 2: prompt")]:
         cfg = tmp_path / "run.yaml"
         cfg.write_text(json.dumps({"run_id": "v", "data": {"files": [str(path)], "preset": "verl"}}))
-        out = CliRunner().invoke(app, ["config", "validate", str(cfg)])
+        out = invoke(monkeypatch, ["config", "validate", str(cfg)])
         assert out.exit_code == code and says in out.output, out.output

@@ -11,6 +11,7 @@ import torch
 from conveyor import hf
 from learner.demonstrations import demonstration, demonstrations
 from tests.chat_models import bpe_chat_tokenizer, create_tiny_qwen2_chat
+from tests.cli import invoke
 
 CHAT = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 12 + 30?"}]
 
@@ -49,11 +50,9 @@ def test_bad_records_are_named(tok):
     assert "prompt" in reasons["f:3"] and "empty" in reasons["f:4"] and "over the limit" in reasons["f:5"]
 
 
-def test_the_sft_command_teaches_the_reply(tmp_path):
+def test_the_sft_command_teaches_the_reply(monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from typer.testing import CliRunner
 
-    from launch.cli.main import app
     from learner.grpo import completion_logprobs
 
     made = bpe_chat_tokenizer()
@@ -78,9 +77,9 @@ def test_the_sft_command_teaches_the_reply(tmp_path):
         "--lr",
         "3e-3",
     ]
-    refused = CliRunner().invoke(app, cli)
+    refused = invoke(monkeypatch, cli)
     assert refused.exit_code == 2 and "demos.jsonl:9" in refused.output
-    ok = CliRunner().invoke(app, [*cli, "--on-error", "skip", "--batch-size", "8"])
+    ok = invoke(monkeypatch, [*cli, "--on-error", "skip", "--batch-size", "8"])
     assert ok.exit_code == 0, ok.output
     stats = json.loads((tmp_path / "sft" / "offline_stats.json").read_text())
     assert stats["examples"] == 8 and stats["skipped"] == 1 and stats["loss_last"] < stats["loss_first"] / 2

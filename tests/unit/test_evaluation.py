@@ -15,6 +15,7 @@ from learner.models import create_tiny_llama
 from rollout_workers.engines import open_engine
 from rollout_workers.evaluation import evaluate, pass_at_k
 from tasks.verifiers import judge_math
+from tests.cli import invoke
 
 ALPHABET = "0123456789+-*() =\n"
 
@@ -87,18 +88,15 @@ def test_pass_at_k_from_several_samples_per_task(model_dir):
         run(model_dir, (math_tasks(["1"]), {"k": 3, "samples": 2}))
 
 
-def test_the_eval_command_reports_and_refuses_bad_input(model_dir, tmp_path):
-    from typer.testing import CliRunner
-
-    from launch.cli.main import app
+def test_the_eval_command_reports_and_refuses_bad_input(monkeypatch, model_dir, tmp_path):
 
     data = tmp_path / "heldout.jsonl"
     rows = [
         {"task_id": f"h{i}", "prompt": f"{i}+1=", "verifier": {"kind": "math", "data": {"answer": str(i + 1)}}} for i in range(3)
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ok = CliRunner().invoke(
-        app,
+    ok = invoke(
+        monkeypatch,
         [
             "eval",
             "--data",
@@ -117,7 +115,7 @@ def test_the_eval_command_reports_and_refuses_bad_input(model_dir, tmp_path):
     assert "FIGURE eval_pass_at_k" in ok.output
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["tasks"] == 3 and report["samples_per_task"] == 2 and len(report["per_task"][0]["completions"]) == 2
-    bad = CliRunner().invoke(app, ["eval", "--data", str(data), "--model", "acme/not-cached-here"], env={"HF_HUB_OFFLINE": "1"})
+    bad = invoke(monkeypatch, ["eval", "--data", str(data), "--model", "acme/not-cached-here"], env={"HF_HUB_OFFLINE": "1"})
     assert bad.exit_code == 2 and "acme/not-cached-here" in bad.output
-    neither = CliRunner().invoke(app, ["eval", "--data", str(data)])
+    neither = invoke(monkeypatch, ["eval", "--data", str(data)])
     assert neither.exit_code == 2 and "--model or --run" in neither.output

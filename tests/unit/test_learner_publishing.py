@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from scored_factory import scored_group
 
+from conveyor.config import LearnerConfig
 from conveyor.contracts import WeightsAnnouncement, decode
 from conveyor.messaging import Publisher
 from conveyor.objectstore import LocalObjectStore
@@ -44,8 +45,8 @@ async def test_publishes_every_k_steps_and_the_final_policy(tmp_path):
     transport, topics = MemoryTransport(), Topics("pub")
     await transport.create_topics(topics.specs(1))
     store = LocalObjectStore(tmp_path / "objects")
-    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, run_dir=tmp_path, batch_groups=1, max_lag=100,
-                          publish_every=2, keep_versions=2)  # fmt: skip
+    cfg = LearnerConfig(batch_groups=1, max_lag=100, lr=3e-4, checkpoint_every=0, publish_every=2, keep_versions=2)
+    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, cfg, run_dir=tmp_path)
     await _train_groups(transport, topics, learner, "pub", 5)  # five steps of one group each
     announced = []
     sub = transport.consumer([topics.weights], "check")
@@ -55,7 +56,7 @@ async def test_publishes_every_k_steps_and_the_final_policy(tmp_path):
     await sub.close()
     assert learner.step == 5
     assert announced == [2, 4, 5]  # every second step, then the final policy at the stop
-    assert learner._published_versions() == [4, 5]  # keep_versions=2
+    assert learner.publication.versions() == [4, 5]  # keep_versions=2
 
 
 def test_a_lag_that_would_drop_every_sample_is_refused():
@@ -98,18 +99,18 @@ async def test_publication_overlaps_the_next_step_and_stays_in_order(tmp_path, m
     await transport.create_topics(topics.specs(1))
     events: list = []
     store = _SlowWeightsStore(tmp_path / "objects", events)
-    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, run_dir=tmp_path, batch_groups=1, max_lag=100,
-                          keep_versions=10)  # fmt: skip
+    cfg = LearnerConfig(batch_groups=1, max_lag=100, lr=3e-4, checkpoint_every=0, keep_versions=10)
+    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, cfg, run_dir=tmp_path)
     after_step: dict[int, dict] = {}
-    train = learner._train_step
+    train = learner.train_step
 
     def recorded(batch):
         events.append(("step-start", learner.step + 1))
         stats = train(batch)
-        after_step[learner.step] = {k: v.detach().clone() for k, v in learner._weights_state().items()}
+        after_step[learner.step] = {k: v.detach().clone() for k, v in learner.trainer.weights().items()}
         return stats
 
-    monkeypatch.setattr(learner, "_train_step", recorded)
+    monkeypatch.setattr(learner, "train_step", recorded)
     sent = Publisher.publish_and_wait
 
     async def logged(self, msg, key=None):

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from conveyor.config import LearnerConfig
 from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
@@ -44,9 +45,10 @@ def _batch(step: int) -> list:
     return groups
 
 
-def _learner(model, tok, tmp_path, **kw) -> GRPOLearner:
+def _learner(model, tok, tmp_path, ranks=None, **kw) -> GRPOLearner:
+    cfg = LearnerConfig(max_lag=100, lr=1e-2, warmup_steps=3, checkpoint_every=0, **kw)
     return GRPOLearner(MemoryTransport(), Topics("r"), copy.deepcopy(model), tok.pad_token_id, LocalObjectStore(tmp_path / "o"),
-                       run_dir=tmp_path, max_lag=100, lr=1e-2, warmup_steps=3, **kw)  # fmt: skip
+                       cfg, run_dir=tmp_path, ranks=ranks)  # fmt: skip
 
 
 def _weights(lrn: GRPOLearner) -> dict:
@@ -58,7 +60,7 @@ def test_steps_in_a_child_process_equal_steps_in_process(tiny, tmp_path):
     here, there = _learner(model, tok, tmp_path / "a"), _learner(model, tok, tmp_path / "b", step_process=True)
     try:
         for step in range(3):
-            a, b = here._train_step(_batch(step)), there._train_step(_batch(step))
+            a, b = here.train_step(_batch(step)), there.train_step(_batch(step))
             for key in ("loss", "grad_norm", "lr", "importance_mean", "clip_fraction", "tokens", "entropy"):
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         wa, wb = _weights(here), _weights(there)
@@ -71,7 +73,7 @@ def test_steps_in_a_child_process_equal_steps_in_process(tiny, tmp_path):
     finally:
         there.close()
     with pytest.raises(RuntimeError, match="closed"):
-        there._train_step(_batch(9))
+        there.train_step(_batch(9))
 
 
 def test_a_checkpoint_holds_the_child_optimizer_and_a_resume_continues_it(tiny, tmp_path):
@@ -79,7 +81,7 @@ def test_a_checkpoint_holds_the_child_optimizer_and_a_resume_continues_it(tiny, 
     first = _learner(model, tok, tmp_path, step_process=True)
     try:
         for step in range(2):
-            first._train_step(_batch(step))
+            first.train_step(_batch(step))
         first.version = 2
         asyncio.run(first.checkpoint())
         resumed = _learner(model, tok, tmp_path, step_process=True)
@@ -88,7 +90,7 @@ def test_a_checkpoint_holds_the_child_optimizer_and_a_resume_continues_it(tiny, 
             for k, v in _weights(first).items():
                 assert torch.equal(_weights(resumed)[k], v), k
             # The third step needs the child's Adam moments and learning-rate schedule, not fresh ones.
-            a, b = first._train_step(_batch(2)), resumed._train_step(_batch(2))
+            a, b = first.train_step(_batch(2)), resumed.train_step(_batch(2))
             assert b["lr"] == a["lr"] and b["loss"] == pytest.approx(a["loss"], rel=1e-6)
             wa, wb = _weights(first), _weights(resumed)
             for k in wa:
@@ -97,9 +99,9 @@ def test_a_checkpoint_holds_the_child_optimizer_and_a_resume_continues_it(tiny, 
             resumed.close()
         fresh = _learner(model, tok, tmp_path / "fresh")  # what a resume without the optimizer state would give
         for step in range(2):
-            fresh._train_step(_batch(step))
-        fresh.optimizer = torch.optim.AdamW(fresh.model.parameters(), lr=1e-2, weight_decay=0.0)
-        fresh._train_step(_batch(2))
+            fresh.train_step(_batch(step))
+        fresh.trainer.optimizer = torch.optim.AdamW(fresh.model.parameters(), lr=1e-2, weight_decay=0.0)
+        fresh.train_step(_batch(2))
         assert any(not torch.allclose(_weights(fresh)[k], wa[k], atol=1e-6) for k in wa)
     finally:
         first.close()
@@ -117,7 +119,7 @@ def test_step_process_refuses_a_model_off_the_cpu(tiny, tmp_path):
     model, tok = tiny
     with pytest.raises(ValueError, match="step_process is for a CPU learner"):
         GRPOLearner(MemoryTransport(), Topics("r"), copy.deepcopy(model).to("meta"), tok.pad_token_id,
-                    LocalObjectStore(tmp_path / "o"), run_dir=tmp_path, step_process=True)  # fmt: skip
+                    LocalObjectStore(tmp_path / "o"), LearnerConfig(step_process=True), run_dir=tmp_path)  # fmt: skip
 
 
 def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp_path):
@@ -136,18 +138,18 @@ def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp
     built = {}
     monkeypatch.setattr(serve, "_load", lambda path, role: load_run_config(path))  # (no logging set-up)
     monkeypatch.setattr(serve, "_run_service", lambda cfg, build: build(None, None, None))
-    monkeypatch.setattr(learner.recipe, "GRPOLearner", lambda *a, **kw: built.update(kw))
+    monkeypatch.setattr(learner.recipe, "GRPOLearner", lambda *a, **kw: built.update(kw, config=a[5]))
     serve.learner(config=config, model=tmp_path / "m", run_dir=tmp_path / "run", threads=0)
-    assert built["step_process"] is True and built["updates_per_batch"] == 2
+    assert built["config"].step_process is True and built["config"].updates_per_batch == 2
 
 
 def test_several_updates_per_batch_step_the_optimizer_that_often_and_the_schedule_once(tiny, tmp_path):
     model, tok = tiny
     one, two = _learner(model, tok, tmp_path / "one"), _learner(model, tok, tmp_path / "two", updates_per_batch=2)
-    a, b = one._train_step(_batch(0)), two._train_step(_batch(0))
-    adam_steps = lambda lrn: {float(s["step"]) for s in lrn.optimizer.state.values()}  # noqa: E731
+    a, b = one.train_step(_batch(0)), two.train_step(_batch(0))
+    adam_steps = lambda lrn: {float(s["step"]) for s in lrn.trainer.optimizer.state.values()}  # noqa: E731
     assert adam_steps(one) == {1.0} and adam_steps(two) == {2.0}
-    assert one.scheduler.last_epoch == two.scheduler.last_epoch == 1  # warm-up counts steps, not updates
+    assert one.trainer.scheduler.last_epoch == two.trainer.scheduler.last_epoch == 1  # warm-up counts steps, not updates
     # The first update's statistics are the one-update step's; the last update's are beside them.
     for key in ("loss", "importance_mean", "clip_fraction", "grad_norm", "lr"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
@@ -164,7 +166,7 @@ def test_several_updates_per_batch_in_a_child_process_equal_them_in_process(tiny
     here = _learner(model, tok, tmp_path / "a", updates_per_batch=3)
     there = _learner(model, tok, tmp_path / "b", updates_per_batch=3, step_process=True)
     try:
-        a, b = here._train_step(_batch(0)), there._train_step(_batch(0))
+        a, b = here.train_step(_batch(0)), there.train_step(_batch(0))
         assert b["updates"] == 3 and b["last_clip_fraction"] == pytest.approx(a["last_clip_fraction"], abs=1e-6)
         wa, wb = _weights(here), _weights(there)
         for k in wa:
@@ -176,13 +178,12 @@ def test_several_updates_per_batch_in_a_child_process_equal_them_in_process(tiny
 def test_the_decoupled_objective_keeps_the_steps_proximal_policy_for_every_update(tiny, tmp_path, monkeypatch):
     """The proximal log-probabilities are taken once, before the step's first update (one pass
     without gradient per micro-batch), and the later updates clip around them."""
-    import learner.recipe
-    from learner.grpo import LossConfig
+    import learner.trainer
 
     model, tok = tiny
-    lrn = _learner(model, tok, tmp_path, updates_per_batch=3, micro_batch=3, loss=LossConfig(objective="decoupled"))
+    lrn = _learner(model, tok, tmp_path, updates_per_batch=3, micro_batch=3, objective="decoupled")
     calls = {"no_grad": 0, "grad": 0}
-    real_logprobs, real_loss = lrn._logprobs, learner.recipe.clipped_pg_loss
+    real_logprobs, real_loss = lrn.trainer.logprobs, learner.trainer.clipped_pg_loss
     proximal, current = [], []  # per loss call, in order: update 1's parts, then update 2's, then 3's
 
     def counted(*a, **k):
@@ -194,9 +195,9 @@ def test_the_decoupled_objective_keeps_the_steps_proximal_policy_for_every_updat
         current.append([x.detach().clone() for x in new])
         return real_loss(new, behaviour, advantages, masks, cfg, prox, *rest)
 
-    monkeypatch.setattr(lrn, "_logprobs", counted)
-    monkeypatch.setattr(learner.recipe, "clipped_pg_loss", recorded)
-    stats = lrn._train_step(_batch(0))
+    monkeypatch.setattr(lrn.trainer, "logprobs", counted)
+    monkeypatch.setattr(learner.trainer, "clipped_pg_loss", recorded)
+    stats = lrn.train_step(_batch(0))
     parts = stats["micro_batches"]
     assert parts > 1
     assert calls == {"no_grad": parts, "grad": 3 * parts}
@@ -214,17 +215,14 @@ def test_the_decoupled_objective_keeps_the_steps_proximal_policy_for_every_updat
 def test_the_kl_penalty_holds_the_child_to_the_starting_policy_as_in_process(tiny, tmp_path):
     """``kl_coef > 0`` (``conveyor demo --kl-coef``): the child keeps its own frozen copy of the
     policy it started from, so the penalty is the in-process learner's, step for step."""
-    from learner.grpo import LossConfig
-
     model, tok = tiny
-    loss = LossConfig(kl_coef=0.5)
-    here = _learner(model, tok, tmp_path / "a", loss=loss)
-    there = _learner(model, tok, tmp_path / "b", loss=loss, step_process=True)
+    here = _learner(model, tok, tmp_path / "a", kl_coef=0.5)
+    there = _learner(model, tok, tmp_path / "b", kl_coef=0.5, step_process=True)
     plain = _learner(model, tok, tmp_path / "c")
     try:
         kls = []
         for step in range(3):
-            a, b, c = here._train_step(_batch(step)), there._train_step(_batch(step)), plain._train_step(_batch(step))
+            a, b, c = here.train_step(_batch(step)), there.train_step(_batch(step)), plain.train_step(_batch(step))
             assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9) and "kl" not in c
             kls.append(a["kl"])
         assert kls[0] == pytest.approx(0.0, abs=1e-9) and kls[2] > 0  # the policy starts at the reference, then moves away

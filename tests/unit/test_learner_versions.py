@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from scored_factory import scored_group
 
+from conveyor.config import LearnerConfig
 from conveyor.contracts import LearnerProgress, WeightsAnnouncement, decode
 from conveyor.messaging import Publisher
 from conveyor.objectstore import LocalObjectStore
@@ -31,8 +32,10 @@ async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int):
     model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     transport, topics = MemoryTransport(), Topics("ver")
     await transport.create_topics(topics.specs(1))
-    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, LocalObjectStore(tmp_path / "objects"),
-                          run_dir=tmp_path, batch_groups=1, max_lag=100)  # fmt: skip
+    cfg = LearnerConfig(batch_groups=1, max_lag=100, lr=3e-4, checkpoint_every=0)
+    learner = GRPOLearner(
+        transport, topics, model, tok.pad_token_id, LocalObjectStore(tmp_path / "objects"), cfg, run_dir=tmp_path
+    )
     producer = transport.producer()
     await producer.start()
     pub = Publisher(producer, topics.scored)

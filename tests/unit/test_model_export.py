@@ -10,6 +10,7 @@ from conveyor import keys
 from conveyor.objectstore import LocalObjectStore
 from storage.model_export import ExportError, export_model, store_model_files
 from tests.chat_models import create_tiny_qwen2_chat
+from tests.cli import invoke
 
 
 def publish(store, run_id: str, version: int, model) -> None:
@@ -83,15 +84,12 @@ def test_what_cannot_be_exported_says_why(trained, tmp_path):
         export_model(store, "r1", tmp_path / "d", base=base, dtype="int3")
 
 
-def test_the_command_exports_and_refuses_with_exit_2(trained, tmp_path):
-    from typer.testing import CliRunner
-
-    from launch.cli.main import app
+def test_the_command_exports_and_refuses_with_exit_2(monkeypatch, trained, tmp_path):
 
     base, store, _ = trained
     cli = ["runs", "export-model", "r1", str(tmp_path / "out"), "--store", str(tmp_path / "objects")]
-    ok = CliRunner().invoke(app, [*cli, "--base-model", str(base), "--version", "1"])
+    ok = invoke(monkeypatch, [*cli, "--base-model", str(base), "--version", "1"])
     assert ok.exit_code == 0, ok.output
     assert '"version": 1' in ok.output and (tmp_path / "out" / "config.json").is_file()
-    refused = CliRunner().invoke(app, [*cli, "--version", "9", "--base-model", str(base)])
+    refused = invoke(monkeypatch, [*cli, "--version", "9", "--base-model", str(base)])
     assert refused.exit_code == 2 and "no version 9" in refused.output
