@@ -268,7 +268,9 @@ class OfflineEval:
 
 
 def main() -> None:
-    from launch.demo import DemoConfig, run_demo
+    from launch.demo import DemoConfig, demo_run_config, run_demo
+
+    demo_learner = demo_run_config().learner
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -293,19 +295,19 @@ def main() -> None:
     parser.add_argument(
         "--learner-process",
         action=argparse.BooleanOptionalAction,
-        default=DemoConfig.learner_process,
+        default=demo_learner.step_process,
         help="both runs' learners step in a child process (the demo's default: %(default)s; --no-learner-process: in process)",
     )
     parser.add_argument(
         "--max-lag",
         type=int,
-        default=DemoConfig.max_lag,
+        default=demo_learner.max_lag,
         help="the asynchronous run's max_lag (the demo's default: %(default)s; the lock-step run has 0)",
     )
     parser.add_argument(
         "--updates-per-batch",
         type=int,
-        default=DemoConfig.updates_per_batch,
+        default=demo_learner.updates_per_batch,
         help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)",
     )
     parser.add_argument(
@@ -335,21 +337,24 @@ def main() -> None:
     for seed in seeds:
         steps_per_s = {}
         for mode in ("sync", "async"):
-            cfg = DemoConfig(
+            learner = {
+                "step_process": args.learner_process,
+                "max_lag": args.max_lag,
+                "updates_per_batch": args.updates_per_batch,
+                "objective": args.async_objective if mode == "async" else "behaviour",
+                "keep_versions": 1_000_000 if args.eval_every == 0 else 3,
+            }
+            cfg = DemoConfig.create(
+                {"learner": learner},
                 seed=seed,
                 sync=mode == "sync",
                 rl_budget_s=args.budget,
                 eval_every_s=args.eval_every,
                 target_pass_rate=args.threshold if args.eval_every > 0 else None,
-                keep_versions=1_000_000 if args.eval_every == 0 else 3,
                 out_dir=args.out,
                 # A fresh run id: an existing one would resume from that run's checkpoint.
                 run_id=f"bench-{mode}-s{seed}{'-proc' if args.engine_process else ''}{'-lproc' if args.learner_process else ''}-lag{0 if mode == 'sync' else args.max_lag}-u{args.updates_per_batch}-{stamp}",
                 engine_process=args.engine_process,
-                learner_process=args.learner_process,
-                max_lag=args.max_lag,
-                updates_per_batch=args.updates_per_batch,
-                objective=args.async_objective if mode == "async" else "behaviour",
             )
             # Each run in a fresh process: nothing of an earlier run (threads, heap, caches) shares
             # the two cores with it.

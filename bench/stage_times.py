@@ -106,21 +106,29 @@ def one_run(
 
     learner.recipe.GRPOLearner.run = started
     demo._run_services = measured
-    cfg = demo.DemoConfig(seed=seed, sync=mode == "sync", max_lag=max_lag, keep_versions=keep_versions, engine_process=engine_process, learner_process=learner_process, updates_per_batch=updates_per_batch, rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps,
-                          out_dir=out, run_id=f"stages-{mode}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")  # fmt: skip
+    learner_cfg = {
+        "max_lag": max_lag,
+        "keep_versions": keep_versions,
+        "step_process": learner_process,
+        "updates_per_batch": updates_per_batch,
+    }
+    cfg = demo.DemoConfig.create({"learner": learner_cfg}, seed=seed, sync=mode == "sync", engine_process=engine_process,
+                                 rl_budget_s=budget, eval_every_s=0, warmup_steps=warmup_steps, out_dir=out,
+                                 run_id=f"stages-{mode}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}")  # fmt: skip
     r = demo.run_demo(cfg)
     return {"steps": r.steps, "wall": phase["wall"], "cpu": phase["cpu"], **totals}
 
 
 def main() -> None:
-    from launch.demo import DemoConfig
+    from launch.demo import DemoConfig, demo_run_config
 
+    demo_learner = demo_run_config().learner
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=25.0, help="seconds of RL per run")
     ap.add_argument("--warmup-steps", type=int, default=800, help="the demo's default")
     ap.add_argument(
-        "--max-lag", type=int, default=DemoConfig.max_lag, help="the asynchronous run's (the demo's default: %(default)s)"
+        "--max-lag", type=int, default=demo_learner.max_lag, help="the asynchronous run's (the demo's default: %(default)s)"
     )
     ap.add_argument(
         "--keep-versions", type=int, default=3, help="published versions the learner keeps (async_vs_sync.py keeps all)"
@@ -134,13 +142,13 @@ def main() -> None:
     ap.add_argument(
         "--learner-process",
         action=argparse.BooleanOptionalAction,
-        default=DemoConfig.learner_process,
+        default=demo_learner.step_process,
         help="both runs' learners step in a child process (StepProcess; the demo's default: %(default)s; --no-learner-process: in process)",
     )
     ap.add_argument(
         "--updates-per-batch",
         type=int,
-        default=DemoConfig.updates_per_batch,
+        default=demo_learner.updates_per_batch,
         help="both runs' optimizer updates per step's batch (the demo's default: %(default)s)",
     )
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))

@@ -41,8 +41,9 @@ def main() -> None:
     args = ap.parse_args()
     results = {}
     for name, lag, objective in ARMS:
-        cfg = DemoConfig(seed=args.seed, run_id=f"staleness-{name}-s{args.seed}", out_dir=args.out, max_lag=lag, objective=objective,
-                         rl_budget_s=3600, max_steps=args.steps, eval_every_s=1e9, heldout_size=args.heldout)  # fmt: skip
+        cfg = DemoConfig.create({"learner": {"max_lag": lag, "objective": objective}}, seed=args.seed,
+                                run_id=f"staleness-{name}-s{args.seed}", out_dir=args.out, rl_budget_s=3600,
+                                max_steps=args.steps, eval_every_s=1e9, heldout_size=args.heldout)  # fmt: skip
         r = run_demo(cfg)
         results[name] = r.heldout_end
         print(f"{name}: held-out {r.heldout_start:.3f} -> {r.heldout_end:.3f} in {r.steps} steps, max staleness {r.max_staleness}",

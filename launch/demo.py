@@ -34,52 +34,11 @@ from pathlib import Path
 import structlog
 
 from conveyor.runtime import startup_frozen
+from launch.demo_config import DemoConfig, demo_run_config
+
+__all__ = ["DemoConfig", "DemoResult", "demo_run_config", "run_demo"]
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class DemoConfig:
-    seed: int = 0
-    run_id: str | None = None
-    out_dir: Path = Path("runs")
-    engine: str = "reference"
-    warmup_steps: int = 800
-    warmup_noise: float = 0.7
-    warmup_lr: float = 1e-3
-    rl_budget_s: float = 90.0
-    max_steps: int | None = None
-    batch_groups: int = 16
-    group_size: int = 8
-    # Policy versions a sample may lag the learner. 3: with four batches in flight generation, scoring and
-    # training overlap more than at 1 (~7% more steps/s), and the demo's task reached a held-out 0.9 in no
-    # more learner steps: 1.74x lock step's time against 1.48x at lag 1 over the same ten seeds (overlapping
-    # intervals; docs/BENCHMARKS.md, "Lag 3, and the figure at 0.9").
-    max_lag: int = 3
-    objective: str = "behaviour"  # learner.grpo.LossConfig.objective
-    entropy_coef: float = 0.0  # learner.grpo.LossConfig.entropy_coef
-    kl_coef: float = 0.0  # learner.grpo.LossConfig.kl_coef: a KL penalty toward the warmed-up model
-    # One optimizer update per batch. Two (PPO epochs) were the default for a while: the asynchronous
-    # learner waits for batches half of the time, so a second update costs it little wall time. In the
-    # same hour they reached 0.85 no sooner than one, and at lr 5e-4 about one seed-0 CI run in three
-    # unlearnt a[0] (its reward ~1.0 -> 0.0 within four versions) and never recovered; one update did
-    # not in twelve runs (docs/BENCHMARKS.md, "One update per batch, and the CI demo's margins").
-    updates_per_batch: int = 1
-    # The engine and the learner's optimizer steps each in a child process (rollout_workers/process_engine.py,
-    # learner/step_process.py): as threads of one process they contend for the GIL with each other and with
-    # the event loop's services (docs/BENCHMARKS.md, "Both torch loops in child processes by default").
-    engine_process: bool = True
-    learner_process: bool = True
-    lr: float = 5e-4
-    heldout_size: int = 100
-    eval_every_s: float = 3.0  # wall-clock cadence: the same evaluation cost per second in sync and async runs; 0: none
-    keep_versions: int = 3  # published weights versions kept in the store (bench/async_vs_sync.py keeps all)
-    # Padded batches: the demo's sequences are short and alike, and packing them into one row with a
-    # block-causal mask costs 2.5x the step on CPU (dense attention over the whole pack).
-    pack_tokens: int = 0
-    sync: bool = False
-    threads_per_role: int = 1
-    target_pass_rate: float | None = None  # stop early once held-out reaches it
 
 
 @dataclass
@@ -145,54 +104,30 @@ def _task_stream(cfg: DemoConfig, run_id: str, rng: random.Random):
     from tasks.suites.pyexpr import sample_problems, to_task
 
     for i, p in enumerate(sample_problems(rng)):
-        yield to_task(p, run_id, cfg.group_size, i)
+        yield to_task(p, run_id, cfg.run.producer.group_size, i)
 
 
 async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
-    from conveyor.config import LearnerConfig, SinkConfig
     from conveyor.topics import Topics
     from conveyor.transport.memory import MemoryTransport
-    from learner.recipe import GRPOLearner
-    from producers.producer import TaskProducer
-    from reward.bridge import RewardBridge
+    from learner import build as learner_build
+    from producers import build as producer_build
+    from reward import build as reward_build
     from reward.scorers import LocalScorer
-    from rollout_workers.worker import RolloutWorker
-    from storage.sink import StorageSink
+    from rollout_workers import build as worker_build
+    from storage import build as sink_build
 
-    if cfg.objective not in ("behaviour", "decoupled", "on_policy"):
-        raise ValueError(f"unknown objective {cfg.objective!r}: behaviour, decoupled or on_policy")
-    topics = Topics(ctx["run_id"])
-    transport = MemoryTransport(partitions=4)
-    await transport.create_topics(topics.specs(4))
-    batch_samples = cfg.batch_groups * cfg.group_size
-    max_lag = 0 if cfg.sync else cfg.max_lag
-    producer = TaskProducer(transport, topics, ctx["tasks"], learner_batch_samples=batch_samples)
-    worker = RolloutWorker(
-        transport,
-        topics,
-        ctx["engine"],
-        ctx["store"],
-        learner_batch_samples=batch_samples,
-        max_lag=max_lag,
-        tasks_per_batch=cfg.batch_groups,
-        max_inflight_tasks=cfg.batch_groups * (2 if cfg.engine == "vllm" else 1),
-    )
-    bridge = RewardBridge(transport, topics, LocalScorer(ctx["sandbox"]), ctx["engine"].decode)
-    learner_cfg = LearnerConfig(
-        batch_groups=cfg.batch_groups,
-        max_lag=max_lag,
-        lr=cfg.lr,
-        checkpoint_every=25,
-        keep_versions=cfg.keep_versions,
-        pack_tokens=cfg.pack_tokens,
-        objective=cfg.objective,
-        entropy_coef=cfg.entropy_coef,
-        kl_coef=cfg.kl_coef,
-        step_process=cfg.learner_process,
-        updates_per_batch=cfg.updates_per_batch,
-    )
-    learner = GRPOLearner(transport, topics, ctx["model"], ctx["pad_id"], ctx["store"], learner_cfg, run_dir=ctx["run_dir"])
-    sink = StorageSink(transport, topics, ctx["store"], SinkConfig(flush_s=2.0))
+    run = ctx["run"]
+    topics = Topics(run.run_id)
+    transport = MemoryTransport(partitions=run.transport.partitions)
+    await transport.create_topics(topics.specs(run.transport.partitions))
+    producer = producer_build.build(run, transport, topics, None, producer_build.TaskSource(ctx["tasks"]))
+    worker = worker_build.build(run, transport, topics, ctx["store"], engine=ctx["engine"])
+    bridge = reward_build.build(run, transport, topics, scorer=LocalScorer(ctx["sandbox"]), decode=ctx["engine"].decode)
+    # The learner's waits stay those for incomplete groups, as the demo's figures are measured.
+    learner = learner_build.build(run, transport, topics, ctx["store"], model=ctx["model"], pad_id=ctx["pad_id"],
+                                  run_dir=ctx["run_dir"], wait_for_admitted=False)  # fmt: skip
+    sink = sink_build.build(run, transport, topics, ctx["store"])
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)
 
     # Shutdown drains front to back: generation stops, the bridge scores what
@@ -316,25 +251,18 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     from conveyor.objectstore import LocalObjectStore
     from learner.models import create_tiny_llama
     from rollout_workers.reference_engine import ReferenceEngine
-    from sandbox.runner import Sandbox, SandboxLimits
+    from sandbox.runner import Sandbox
+    from storage.model_export import store_model_files
     from storage.runs import upload_run_files, write_run_meta
     from tasks.suites.pyexpr import ALPHABET, heldout_set, to_task
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    # Options are checked before anything is written.
+    # Options are checked before anything is written (the run config's own fields were checked when it was made).
     if cfg.eval_every_s < 0:
         raise SystemExit(f"--eval-every {cfg.eval_every_s}: seconds >= 0 (0: evaluate only at the start and the end)")
     if cfg.target_pass_rate is not None and cfg.eval_every_s == 0:
         raise SystemExit("--target needs evaluations during the run: --eval-every > 0")
-    if cfg.engine not in ("reference", "vllm"):
-        raise SystemExit(f"--engine {cfg.engine}: reference or vllm")
-    if cfg.entropy_coef < 0:
-        raise SystemExit(f"--entropy-coef {cfg.entropy_coef}: >= 0 (0: no entropy bonus)")
-    if cfg.kl_coef < 0:
-        raise SystemExit(f"--kl-coef {cfg.kl_coef}: >= 0 (0: no KL penalty)")
-    if cfg.updates_per_batch < 1:
-        raise SystemExit(f"--updates-per-batch {cfg.updates_per_batch}: >= 1")
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_role)
@@ -342,7 +270,9 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     run_id = cfg.run_id or f"demo-{'sync' if cfg.sync else 'async'}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (cfg.out_dir / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = {**asdict(cfg), "out_dir": str(cfg.out_dir), "run_id": run_id}
+    run = cfg.effective_run(run_id)
+    demo_only = {k: v for k, v in asdict(cfg).items() if k != "run"}
+    config = {**demo_only, "out_dir": str(cfg.out_dir), "run_id": run_id, "run": run.model_dump(mode="json")}
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     # One object store for every run under out_dir, so `conveyor runs list` sees them all.
     store = LocalObjectStore(Path(cfg.out_dir).resolve() / "objects")
@@ -362,13 +292,14 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     warm_loss = _warmup(model, tokenizer, cfg, rng)
     torch.set_num_threads(cfg.threads_per_role)
     model.save_pretrained(model_dir)
+    store_model_files(store, run_id, model_dir)  # any published version exports as a whole model
     log.info("demo.warmup_done", loss=round(warm_loss, 4), seconds=round(time.monotonic() - t0, 1))
 
     # Warm sandboxes (one long-lived bwrap each; per program a fresh process, tmpfs and IPC namespace): a launch per batch
     # cost a third of the reward stage, the pipeline's slowest. The evaluator has its own, so an
     # evaluation never queues behind the reward bridge's batches.
-    sandbox = Sandbox(SandboxLimits(timeout_s=1.0), warm=True)
-    eval_sandbox = Sandbox(SandboxLimits(timeout_s=1.0), warm=True)
+    sandbox = Sandbox.from_config(run.reward, warm=True)
+    eval_sandbox = Sandbox.from_config(run.reward, warm=True)
     if cfg.engine == "vllm":  # vLLM's engine core runs in its own processes
         from rollout_workers.vllm_engine import VLLMEngine
 
@@ -388,6 +319,7 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     learner_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ctx: dict = {
         "run_id": run_id,
+        "run": run,
         "run_dir": run_dir,
         "store": store,
         "model": learner_model,

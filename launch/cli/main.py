@@ -110,8 +110,16 @@ def config_validate(
 
 @app.command()
 def demo(
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        exists=True,
+        dir_okay=False,
+        help="A run config whose learner, producer, rollout, sampling, reward and sink sections the demo runs "
+        "(its transport, object store and Celery stay the demo's own, in this process).",
+    ),
     seed: int = typer.Option(DemoConfig.seed, help="Seed for the model, warm-up data, sampling and task order."),
-    engine: str = typer.Option(DemoConfig.engine, help="reference | vllm"),
+    engine: str | None = typer.Option(None, help="rollout.engine: reference | vllm (default: reference)."),
     sync: bool = typer.Option(False, "--sync", help="Lock step: generate, then score, then train (max_lag 0)."),
     budget: float = typer.Option(DemoConfig.rl_budget_s, help="Seconds of RL after the warm-up."),
     max_steps: int | None = typer.Option(None, help="Stop after this many learner steps."),
@@ -119,28 +127,26 @@ def demo(
     warmup_noise: float = typer.Option(
         DemoConfig.warmup_noise, help="How often the warm-up teacher is wrong on the expressions it confuses."
     ),
-    max_lag: int = typer.Option(DemoConfig.max_lag, help="Policy versions a sample may lag the learner."),
+    max_lag: int | None = typer.Option(None, help="learner.max_lag: policy versions a sample may lag the learner (default: 3)."),
     engine_process: bool = typer.Option(
         DemoConfig.engine_process,
         "--engine-process/--engine-in-process",
         help="Sample in a child process (no GIL shared with the learner and the services).",
     ),
-    learner_process: bool = typer.Option(
-        DemoConfig.learner_process,
+    learner_process: bool | None = typer.Option(
+        None,
         "--learner-process/--learner-in-process",
-        help="Run the learner's optimizer steps in a child process.",
+        help="learner.step_process: the learner's optimizer steps in a child process (default: yes).",
     ),
-    objective: str = typer.Option(
-        DemoConfig.objective, help="behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy"
+    objective: str | None = typer.Option(
+        None, help="learner.objective: behaviour (PPO-clip vs behaviour logprobs, truncated IS) | decoupled | on_policy."
     ),
-    entropy_coef: float = typer.Option(
-        DemoConfig.entropy_coef, help="Weight of the policy's entropy as a bonus in the objective."
+    entropy_coef: float | None = typer.Option(None, help="learner.entropy_coef: the policy's entropy as a bonus (default: 0)."),
+    kl_coef: float | None = typer.Option(
+        None, help="learner.kl_coef: a KL penalty toward the warmed-up model (k3 estimator; default: 0)."
     ),
-    kl_coef: float = typer.Option(
-        DemoConfig.kl_coef, help="Weight of a KL penalty toward the warmed-up model (k3 estimator; 0: none)."
-    ),
-    updates_per_batch: int = typer.Option(
-        DemoConfig.updates_per_batch, help="Optimizer updates on each step's batch (PPO epochs)."
+    updates_per_batch: int | None = typer.Option(
+        None, help="learner.updates_per_batch: optimizer updates on each step's batch (PPO epochs; default: 1)."
     ),
     target: float | None = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
     eval_every: float = typer.Option(
@@ -150,23 +156,40 @@ def demo(
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
     """Run the whole pipeline on this machine (the services in one process) and watch a policy learn."""
-    from launch.demo import make_display, run_demo
+    import yaml
 
+    from conveyor.errors import ConfigError
+    from launch.demo import make_display, run_demo
+    from launch.demo_config import demo_run_config
+
+    overrides: dict = {}
+    if config is not None:
+        try:
+            given = yaml.safe_load(config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            fail(f"cannot read {config}: {exc}", 2)
+        if not isinstance(given, dict):
+            fail(f"{config}: the top level must be a mapping", 2)
+        overrides = {k: v for k, v in given.items() if k in ("learner", "producer", "rollout", "sampling", "reward", "sink")}
+    learner = {"max_lag": max_lag, "step_process": learner_process, "objective": objective, "entropy_coef": entropy_coef,
+               "kl_coef": kl_coef, "updates_per_batch": updates_per_batch}  # fmt: skip
+    for section, fields in (("learner", learner), ("rollout", {"engine": engine})):
+        given = {k: v for k, v in fields.items() if v is not None}
+        if given:
+            overrides[section] = {**overrides.get(section, {}), **given}
+    try:
+        run = demo_run_config(overrides, str(config) if config else "the demo's options")
+    except ConfigError as exc:
+        fail(str(exc), exc.exit_code)
     cfg = DemoConfig(
+        run=run,
         seed=seed,
-        engine=engine,
         sync=sync,
         rl_budget_s=budget,
         max_steps=max_steps,
         warmup_steps=warmup_steps,
         warmup_noise=warmup_noise,
-        max_lag=max_lag,
-        objective=objective,
-        entropy_coef=entropy_coef,
-        kl_coef=kl_coef,
-        updates_per_batch=updates_per_batch,
         engine_process=engine_process,
-        learner_process=learner_process,
         target_pass_rate=target,
         eval_every_s=eval_every,
         out_dir=out,

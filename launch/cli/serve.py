@@ -15,6 +15,8 @@ from pathlib import Path
 import structlog
 import typer
 
+from launch.cli import models
+
 app = typer.Typer(help="Run one service (role) of a distributed deployment.", no_args_is_help=True)
 CONFIG = typer.Option(..., "--config", "-c", exists=True, dir_okay=False, help="Run config (YAML).")
 
@@ -193,9 +195,7 @@ def storage_sink(
 @app.command("learner")
 def learner(
     config: Path = CONFIG,
-    model: Path = typer.Option(
-        ..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."
-    ),
+    model: str = typer.Option(..., "--model", help=f"Initial policy (with its tokenizer). {models.HELP}"),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Local directory for metrics.jsonl (default runs/<run_id>)."),
     threads: int = typer.Option(0, min=0, help="torch intra-op threads (0: torch's default)."),
 ) -> None:
@@ -204,52 +204,45 @@ def learner(
     serve learner ...`) the policy is FSDP2-sharded over N ranks: rank 0 consumes, publishes and
     checkpoints, every rank trains its share of each batch."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.distributed import RankGroup, shard
-    from learner.recipe import GRPOLearner
+    from learner import build
+    from learner.distributed import RankGroup
     from learner.trainer import Trainer
+    from storage.model_export import store_model_files
 
     cfg = _load(config, "learner")
-    lc = cfg.learner
+    model_dir = models.resolved(model)
     if threads:
         torch.set_num_threads(threads)
     ranks = RankGroup.from_env()  # None unless started by torchrun with more than one process
-    tok = AutoTokenizer.from_pretrained(model)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    if torch.cuda.is_available():
-        policy = policy.cuda()  # fp32 master weights; the step autocasts to bf16
-    if lc.activation_checkpointing:
-        policy.gradient_checkpointing_enable()
-    if ranks is not None:
-        policy = shard(policy, mixed_precision=torch.cuda.is_available())
+    policy, tok = build.load_policy(model_dir, cfg, ranks)
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
-    admission_bound = (lc.max_lag + 1) * lc.batch_groups * cfg.producer.group_size  # the rollout workers'
 
     def refused(exc: ValueError) -> typer.Exit:
         typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
         return typer.Exit(2)
 
-    def build(transport, topics, store) -> GRPOLearner:
+    def service(transport, topics, store):
         try:
-            return GRPOLearner(transport, topics, policy, tok.pad_token_id, store, lc, run_dir=out,
-                               admission_bound=admission_bound, ranks=ranks)  # fmt: skip
+            learner = build.build(cfg, transport, topics, store, model=policy, pad_id=tok.pad_token_id, run_dir=out, ranks=ranks)
         except ValueError as exc:
             raise refused(exc) from None
+        store_model_files(store, cfg.run_id, model_dir)  # so any version exports as a whole model
+        return learner
 
     if ranks is not None and not ranks.leader:
         # Rank 0 decides when to stop (it checkpoints first, with every rank): ignore torchrun's signals.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            follower = Trainer(policy, tok.pad_token_id, lc, ranks=ranks)
+            follower = Trainer(policy, tok.pad_token_id, cfg.learner, ranks=ranks)
         except ValueError as exc:
             raise refused(exc) from None
         follower.follow()
         ranks.close()
         return
-    _run_service(cfg, build)
+    _run_service(cfg, service)
     if ranks is not None:
         ranks.close()
 
@@ -257,9 +250,7 @@ def learner(
 @app.command("rollout-worker")
 def rollout_worker(
     config: Path = CONFIG,
-    model: Path = typer.Option(
-        ..., "--model", exists=True, file_okay=False, help="Initial policy (HF directory with its tokenizer)."
-    ),
+    model: str = typer.Option(..., "--model", help=f"Initial policy (with its tokenizer). {models.HELP}"),
     engine: str | None = typer.Option(None, help="reference | vllm (default: the config's rollout.engine)."),
     max_inflight_tasks: int | None = typer.Option(None, min=1, help="Tasks sampled at once (default: the config's)."),
     threads: int | None = typer.Option(None, min=0, help="Reference engine's torch threads (default: the config's)."),
@@ -288,7 +279,7 @@ def rollout_worker(
                 err=True,
             )
             raise typer.Exit(2) from None
-    eng = open_engine(rc, model)
+    eng = open_engine(rc, models.resolved(model))
     scorer = reward_scorer(cfg)  # executes the attempts of multi-turn tasks
     tool_sandbox = build.tool_sandbox(cfg)  # tool turns of terminal tasks: workspaces that persist across turns
     try:

@@ -1,0 +1,65 @@
+"""The learner as a run config describes it: ``conveyor serve learner``, the demo and the tests
+build it here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conveyor.config import RunConfig
+from conveyor.objectstore import ObjectStore
+from conveyor.topics import Topics
+from conveyor.transport.base import Transport
+from learner.recipe import GRPOLearner
+
+
+def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
+    """``(policy, tokenizer)`` from a model directory as the learner trains it: fp32 master weights
+    (on the GPU when there is one; the step autocasts to bf16), activation checkpointing when the
+    config asks, FSDP2-sharded over ``ranks`` when there are several."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if torch.cuda.is_available():
+        policy = policy.cuda()
+    if cfg.learner.activation_checkpointing:
+        policy.gradient_checkpointing_enable()
+    if ranks is not None:
+        from learner.distributed import shard
+
+        policy = shard(policy, mixed_precision=torch.cuda.is_available())
+    return policy, tok
+
+
+def admission_bound(cfg: RunConfig) -> int:
+    """The rollout workers' admission bound: ``max_lag + 1`` batches of samples."""
+    return (cfg.learner.max_lag + 1) * cfg.learner.batch_groups * cfg.producer.group_size
+
+
+def build(
+    cfg: RunConfig,
+    transport: Transport | None,
+    topics: Topics,
+    store: ObjectStore | None,
+    *,
+    model,
+    pad_id: int,
+    run_dir: Path,
+    ranks=None,
+    wait_for_admitted: bool = True,
+) -> GRPOLearner:
+    """The learner of ``model`` (loaded by :func:`load_policy`). ``wait_for_admitted``: a batch
+    also waits for the oldest attempt the workers started that has not arrived
+    (``learner/admitted_window.py``). Raises ValueError for settings that cannot be combined."""
+    return GRPOLearner(
+        transport,
+        topics,
+        model,
+        pad_id,
+        store,
+        cfg.learner,
+        run_dir=run_dir,
+        admission_bound=admission_bound(cfg) if wait_for_admitted else None,
+        ranks=ranks,
+    )
