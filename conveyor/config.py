@@ -312,6 +312,10 @@ class LearnerConfig(_Section):
     updates_per_batch: int = Field(1, ge=1)
     """Optimizer updates on each step's batch (PPO's epochs, GRPO's mu), every one clipped against the
     same behaviour log-probabilities; the learning-rate schedule counts steps, not updates."""
+    publish_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The floating dtype of the weights published for the rollout workers (and exported): auto is
+    bfloat16 when the learner trains on a GPU (half the bytes stored and moved per version) and
+    float32 on a CPU, which has no fast bfloat16 matmul for the reference engine."""
     step_process: bool = False
     """Run the optimizer steps in a child process (learner/step_process.py), so they share no GIL
     with the service's event loop: a CPU learner of one rank (refused with several ranks or a GPU)."""

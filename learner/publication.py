@@ -26,11 +26,27 @@ from conveyor.messaging import Publisher
 from conveyor.objectstore import ObjectStore
 
 
+def publish_dtype(config_value: str, *, on_gpu: bool) -> str:
+    """``LearnerConfig.publish_dtype`` resolved: auto is bfloat16 on a GPU, float32 on a CPU."""
+    if config_value != "auto":
+        return config_value
+    return "bfloat16" if on_gpu else "float32"
+
+
+def cast(state: dict, dtype: str) -> dict:
+    """``state`` with its floating tensors in ``dtype`` (integer buffers as they are)."""
+    import torch
+
+    target = getattr(torch, dtype)
+    return {k: v.to(target) if v.is_floating_point() and v.dtype != target else v for k, v in state.items()}
+
+
 class Publication:
     """Weights and progress of one run, and the step publication in flight."""
 
-    def __init__(self, store: ObjectStore, run_id: str, keep_versions: int) -> None:
+    def __init__(self, store: ObjectStore, run_id: str, keep_versions: int, dtype: str = "float32") -> None:
         self.store = store
+        self.dtype = dtype  # of the floating tensors published (LearnerConfig.publish_dtype, resolved)
         self.run_id = run_id
         self.keep_versions = keep_versions
         self.version = 0  # the newest version stored and announced
@@ -50,7 +66,7 @@ class Publication:
         """Store and announce ``state`` (``Trainer.weights()``'s tensors) as ``version``, then prune."""
         from safetensors.torch import save
 
-        data = await asyncio.to_thread(save, state)
+        data = await asyncio.to_thread(lambda: save(cast(state, self.dtype)))
         key = keys.weights_key(self.run_id, version)
         info = await asyncio.to_thread(self.store.put, key, data)
         announcement = WeightsAnnouncement(run_id=self.run_id, version=version, key=key, uri=self.store.uri(key),

@@ -53,7 +53,7 @@ from learner.batching import Batcher
 from learner.checkpoint import restore_checkpoint, write_checkpoint
 from learner.distributed import RankGroup
 from learner.preparation import prepare
-from learner.publication import Publication
+from learner.publication import Publication, publish_dtype
 from learner.step_process import StepProcess
 from learner.trainer import Trainer
 
@@ -97,7 +97,10 @@ class GRPOLearner:
         self.trainer: Trainer | StepProcess = steps_in(model, pad_id, config, ranks=ranks)
         self.counters: Counter[str] = Counter()  # why samples were dropped, waited for, skipped (the metrics' columns)
         self.batcher = Batcher(config, self.counters)
-        self.publication = Publication(store, topics.run_id, config.keep_versions)
+        on_gpu = next(iter(model.parameters())).is_cuda if model is not None else False
+        self.publication = Publication(
+            store, topics.run_id, config.keep_versions, publish_dtype(config.publish_dtype, on_gpu=on_gpu)
+        )
         self.resumed_from: int | None = None  # step of the checkpoint this process resumed from
         self.version = 0
         self.step = 0

@@ -130,3 +130,33 @@ async def test_publication_overlaps_the_next_step_and_stays_in_order(tmp_path, m
         assert stored.keys() == after_step[v].keys()
         assert all(torch.equal(stored[k], after_step[v][k]) for k in stored)
     assert not all(torch.equal(after_step[1][k], after_step[2][k]) for k in after_step[1])  # steps do change the weights
+
+
+async def test_weights_are_published_in_the_configured_dtype_and_the_engine_loads_them(tmp_path):
+    import torch
+    from safetensors.torch import load
+
+    from conveyor import keys
+    from learner.models import create_tiny_llama
+    from learner.publication import publish_dtype
+    from rollout_workers.reference_engine import ReferenceEngine
+    from tasks.suites.pyexpr import ALPHABET
+
+    assert (publish_dtype("auto", on_gpu=True), publish_dtype("auto", on_gpu=False)) == ("bfloat16", "float32")
+    assert publish_dtype("float16", on_gpu=False) == "float16"
+    model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    transport, topics = MemoryTransport(), Topics("bf16")
+    await transport.create_topics(topics.specs(1))
+    store = LocalObjectStore(tmp_path / "objects")
+    cfg = LearnerConfig(batch_groups=1, max_lag=100, lr=3e-4, checkpoint_every=0, publish_dtype="bfloat16")
+    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, cfg, run_dir=tmp_path)
+    await _train_groups(transport, topics, learner, "bf16", 1)
+    data = store.get(keys.weights_key("bf16", 1))
+    published = load(data)
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    assert len(data) < sum(p.numel() for p in model.parameters()) * 4 * 0.6  # about half of fp32's bytes
+    engine = ReferenceEngine(tmp_path / "m", seed=0)
+    engine.load_weights(data, 1)  # the fp32 engine takes them, cast on copy
+    trained = model.state_dict()["model.embed_tokens.weight"]
+    served = engine.model.state_dict()["model.embed_tokens.weight"]
+    torch.testing.assert_close(served, trained.to(torch.bfloat16).float())
