@@ -374,6 +374,28 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation during a run (``conveyor serve evaluator``, in its own process): the
+    records of ``data.files`` outside ``data.split``, through the same engines and verifiers."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate every this many policy versions (and the starting policy); 0: no evaluator."""
+    k: int = Field(1, ge=1)
+    """pass@k's k."""
+    samples: int | None = Field(None, ge=1)
+    """Samples per task (None: k; one sample is greedy)."""
+    max_tasks: int = Field(200, ge=1)
+    """Held-out tasks evaluated (the first this many)."""
+    engine: Literal["reference", "vllm"] | None = None
+    """None: the rollout workers' engine."""
+
+    @model_validator(mode="after")
+    def _samples_cover_k(self) -> EvalConfig:
+        if self.samples is not None and self.samples < self.k:
+            raise ValueError("samples must be >= k")
+        return self
+
+
 class BridgeConfig(_Section):
     """The reward bridge: rollouts topic -> reward tasks -> scored topic."""
 
@@ -438,6 +460,7 @@ class RunConfig(BaseSettings):
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     bridge: BridgeConfig = Field(default_factory=BridgeConfig)
     sink: SinkConfig = Field(default_factory=SinkConfig)
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)

@@ -98,7 +98,7 @@ class Role:
 
 class Supervisor:
     def __init__(self, run_dir: Path, config_path: Path, model_dir: Path, *, rollout_workers: int = 1, reward_workers: int = 1,
-                 tokenizer_dir: Path | None = None, threads: int = 1) -> None:  # fmt: skip
+                 tokenizer_dir: Path | None = None, threads: int = 1, evaluator: bool = False) -> None:  # fmt: skip
         self.run_dir = run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         serve = [sys.executable, "-m", "launch.cli.main", "serve"]
@@ -113,6 +113,7 @@ class Supervisor:
             *[(f"rollout-worker-{i}", [*serve, "rollout-worker", *cfg, "--model", str(model_dir), "--threads", str(threads),
                                        "--seed", str(i)]) for i in range(rollout_workers)],
             ("producer", [*serve, "producer", *cfg]),
+            *([("evaluator", [*serve, "evaluator", *cfg, "--model", str(model_dir), "--run-dir", str(run_dir)])] if evaluator else []),
         ]  # fmt: skip
         self.roles = {name: Role(name, argv, run_dir / "logs" / f"{name}.log") for name, argv in specs}
 

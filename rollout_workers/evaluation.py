@@ -75,11 +75,13 @@ async def evaluate(
     temperature: float | None = None,
     max_tokens: int = 512,
     top_p: float = 1.0,
+    stop: tuple[str, ...] = (),
 ) -> EvalReport:
     """Sample and judge every task (an opened engine: ``rollout_workers.engines.open_engine``).
 
     ``samples`` (default ``k``) completions per task; ``temperature`` defaults to 0 (greedy) for
-    one sample and to 1 otherwise. A task's own ``sampling`` wins for its length and stop strings."""
+    one sample and to 1 otherwise. A task's own ``sampling`` wins for its length and stop strings
+    (``max_tokens`` and ``stop`` are for tasks without)."""
     n = samples or k
     if k < 1 or n < k:
         raise ValueError(f"need 1 <= k <= samples (k={k}, samples={n})")
@@ -89,7 +91,7 @@ async def evaluate(
 
     async def sample(task: Task):
         sp = task.sampling
-        stops = tuple(sp.stop) if sp else ()
+        stops = tuple(sp.stop) if sp else stop
         encoded = [(s, engine.encode(s)) for s in stops]
         request = SamplingRequest(
             engine.encode_prompt(task.prompt, task.messages),

@@ -32,6 +32,9 @@ def evaluate(
     samples: int | None = typer.Option(None, "--samples", min=1, help="Samples per task (default: k)."),
     temperature: float | None = typer.Option(None, min=0, help="(default: 0 (greedy) for one sample, else 1)"),
     max_tokens: int = typer.Option(512, min=1, help="For tasks that carry no sampling of their own."),
+    stop: list[str] | None = typer.Option(
+        None, "--stop", help="Stop string (repeatable), for tasks that carry no sampling of their own."
+    ),
     limit: int | None = typer.Option(None, min=1, help="Evaluate the first this many tasks."),
     engine: str = typer.Option("reference", help="reference | vllm"),
     out: Path | None = typer.Option(None, "--out", help="Write the JSON report here."),
@@ -82,7 +85,16 @@ def evaluate(
         async def main():
             await eng.start()
             try:
-                return await run_eval(eng, sandbox, tasks, k=k, samples=samples, temperature=temperature, max_tokens=max_tokens)
+                return await run_eval(
+                    eng,
+                    sandbox,
+                    tasks,
+                    k=k,
+                    samples=samples,
+                    temperature=temperature,
+                    max_tokens=max_tokens,
+                    stop=tuple(stop or ()),
+                )
             finally:
                 await eng.close()
 

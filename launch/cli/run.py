@@ -52,7 +52,8 @@ def run(
     run_dir = (out / cfg.run_id).resolve()
     path = write_run_config(run_dir, resolve_for_stack(cfg, st.endpoints()))
     model_dir = given_model or _default_model(run_dir / "model", warmup_steps)
-    sup = Supervisor(run_dir, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers)
+    sup = Supervisor(run_dir, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers,
+                     evaluator=cfg.eval.every > 0)  # fmt: skip
     typer.echo(f"run {cfg.run_id}: config {path}, logs {run_dir / 'logs'}")
     sup.start()
     started = time.monotonic()

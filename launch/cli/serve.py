@@ -293,6 +293,65 @@ def rollout_worker(
         scorer.close()
 
 
+@app.command("evaluator")
+def evaluator(
+    config: Path = CONFIG,
+    model: str = typer.Option(..., "--model", help=f"The policy the run starts from. {models.HELP}"),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Local directory for eval.jsonl (default runs/<run_id>)."),
+) -> None:
+    """Weights topic -> held-out evaluation every eval.every versions (pass@1, pass@k, reward, length)
+    -> eval.jsonl in the run directory and the object store."""
+    from conveyor.config import RolloutConfig
+    from rollout_workers.engines import open_engine
+    from rollout_workers.evaluator import EvaluatorService
+    from sandbox.runner import Sandbox, SandboxUnavailable
+
+    cfg = _load(config, "evaluator")
+    ev = cfg.eval
+    if ev.every < 1:
+        typer.secho("eval.every is 0: nothing to evaluate", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    tasks = _heldout_tasks(cfg)
+    model_dir = models.resolved(model)
+    try:
+        sandbox = Sandbox.from_config(cfg.reward)
+    except SandboxUnavailable as exc:
+        typer.secho(f"sandbox unavailable: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3) from None
+    engine = open_engine(RolloutConfig(**{**cfg.rollout.model_dump(), "engine": ev.engine or cfg.rollout.engine}), model_dir)
+    out = run_dir or Path("runs") / cfg.run_id
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        _run_service(
+            cfg,
+            lambda transport, topics, store: EvaluatorService(
+                transport, topics, store, engine, sandbox, tasks, every=ev.every, run_dir=out, k=ev.k, samples=ev.samples,
+                max_tokens=cfg.sampling.max_tokens, stop=tuple(cfg.sampling.stop),
+            ),
+        )  # fmt: skip
+    finally:
+        sandbox.close()
+
+
+def _heldout_tasks(cfg):
+    """The records of the data files outside ``data.split`` (the first ``eval.max_tasks``); exits 2
+    naming the field when there are none."""
+    from producers.loaders import RecordRejected, TaskFileError, load_tasks, resolve_mapping
+
+    held: list = []
+    for path in cfg.data.files:
+        try:
+            loaded = load_tasks(path, cfg.run_id, resolve_mapping(cfg.data.mapping, preset=cfg.data.preset), on_error="skip")
+        except (TaskFileError, RecordRejected, ValueError) as exc:
+            typer.secho(f"data.files: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
+        held.extend(t for t in loaded.tasks if t.split != cfg.data.split)
+    if not held:
+        typer.secho("eval.every: the data files (data.files) hold no held-out records to evaluate", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    return held[: cfg.eval.max_tasks]
+
+
 @app.command("producer")
 def producer(config: Path = CONFIG) -> None:
     """Streams the run's data files (data:), or its built-in suite, to the tasks topic within the pipeline's
