@@ -127,7 +127,8 @@ def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp
     and ``learner.updates_per_batch``
     (the service's transport and the learner itself are replaced: only the wiring is under test)."""
     import launch.cli.serve as serve
-    import learner.recipe
+    import learner.build
+    import storage.model_export
     from conveyor.config import load_run_config
     from learner.models import create_tiny_llama
     from tasks.suites.pyexpr import ALPHABET
@@ -138,8 +139,9 @@ def test_the_learner_service_takes_step_process_from_its_config(monkeypatch, tmp
     built = {}
     monkeypatch.setattr(serve, "_load", lambda path, role: load_run_config(path))  # (no logging set-up)
     monkeypatch.setattr(serve, "_run_service", lambda cfg, build: build(None, None, None))
-    monkeypatch.setattr(learner.recipe, "GRPOLearner", lambda *a, **kw: built.update(kw, config=a[5]))
-    serve.learner(config=config, model=tmp_path / "m", run_dir=tmp_path / "run", threads=0)
+    monkeypatch.setattr(learner.build, "GRPOLearner", lambda *a, **kw: built.update(kw, config=a[5]))
+    monkeypatch.setattr(storage.model_export, "store_model_files", lambda *a: [])
+    serve.learner(config=config, model=str(tmp_path / "m"), run_dir=tmp_path / "run", threads=0)
     assert built["config"].step_process is True and built["config"].updates_per_batch == 2
 
 
