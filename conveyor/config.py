@@ -198,6 +198,10 @@ class RewardConfig(_Section):
     the learner). A task that a worker started and left without a result past ``hard_time_limit_s``
     (the worker died) is submitted again well before this."""
 
+    verifiers: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
+    """Users' verifier kinds: ``{kind: "module:function"}`` or ``{kind: {fn, style, required, pass_at}}``
+    (``tasks/registry.py``); every service registers them at start."""
+
     @model_validator(mode="after")
     def _ordered(self) -> RewardConfig:
         if not self.timeout_s < self.soft_time_limit_s < self.hard_time_limit_s:

@@ -28,9 +28,9 @@ from conveyor.contracts import ChatMessage, LearnerProgress, SamplingParams, Tas
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics, validate_run_id
 from conveyor.transport.base import Transport
+from tasks import registry
 
 log = structlog.get_logger(__name__)
-VERIFIER_KINDS = ("python_program", "python_tests", "math", "terminal", "tool_call")
 
 
 class _In(BaseModel):
@@ -44,8 +44,15 @@ class MessageIn(_In):
 
 
 class VerifierIn(_In):
-    kind: Literal["python_program", "python_tests", "math", "terminal", "tool_call"]
+    kind: str
     data: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in registry.known():  # the built-in kinds and those the run config or packages register
+            raise ValueError(f"unknown verifier kind {v!r}; known: {', '.join(registry.known())}")
+        return v
 
 
 class SamplingIn(_In):

@@ -53,6 +53,7 @@ from pathlib import Path
 from conveyor.contracts import Feedback, Task
 from sandbox.runner import ExecResult, Job, Sandbox
 from sandbox.workspace import Workspace
+from tasks import registry
 from tasks.function_tools import TOOLS, parse_call, schema_error, values_match
 
 _INT_LITERAL = re.compile(r"^ ?-?\d+\n?$")
@@ -297,6 +298,47 @@ def _terminal(sandbox: Sandbox, task: Task, completion: str) -> Verdict:
     return Verdict(v.reward, v.verdict, v.feedback, details)
 
 
+def score_registered(kind: registry.VerifierKind, items: Sequence[tuple[Task, str]]) -> list[Verdict]:
+    """A registered kind's verdicts for its items, from one call of its function; what the
+    function does wrong (raises, wrong count, a reward that is not a finite number) scores the
+    samples concerned ``error`` with the reason."""
+
+    def errors(reason: str) -> list[Verdict]:
+        return [Verdict(0.0, "error", Feedback(message=f"verifier {kind.name}: {reason}")) for _ in items]
+
+    tasks, completions = [t for t, _ in items], [c for _, c in items]
+    try:
+        fn = kind.function()
+        if kind.style == "trl":
+            fields: dict[str, list] = {key: [] for t in tasks for key in t.verifier.data}
+            for key in fields:
+                fields[key] = [t.verifier.data.get(key) for t in tasks]
+            got = list(fn([registry.prompt_of(t) for t in tasks], completions, **fields))
+        else:
+            got = list(fn(tasks, completions))
+    except Exception as exc:  # noqa: BLE001 - a user's function fails in any way; the service carries on
+        return errors(f"raised {type(exc).__name__}: {exc}")
+    if len(got) != len(items):
+        return errors(f"returned {len(got)} results for {len(items)} samples")
+    out = []
+    for g in got:
+        if isinstance(g, Verdict):
+            reward, verdict, feedback = g.reward, g.verdict, g.feedback
+        elif kind.style == "verdict" and isinstance(g, tuple) and len(g) in (2, 3):
+            reward, verdict = g[0], g[1]
+            feedback = Feedback(message=str(g[2])) if len(g) == 3 and g[2] else None
+        else:
+            reward, verdict, feedback = g, None, None
+        x = registry.finite(reward)
+        if x is None:
+            out.append(Verdict(0.0, "error", Feedback(message=f"verifier {kind.name}: reward {reward!r} is not a finite number")))
+            continue
+        if verdict not in ("pass", "fail", "error"):
+            verdict = "pass" if x >= kind.pass_at else "fail"
+        out.append(Verdict(x, verdict, feedback))
+    return out
+
+
 def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> list[Verdict]:
     """Score (task, completion) pairs. Python jobs of the batch share one sandbox launch;
     terminal tasks get a workspace each. A task whose verifier payload is unusable
@@ -304,6 +346,7 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
     out: list[Verdict | None] = [None] * len(items)
     jobs: list[Job] = []
     owners: list[tuple[int, str]] = []  # (item index, how to judge)
+    users: dict[str, list[int]] = {}  # a registered kind -> its items, scored in one call
     for i, (task, completion) in enumerate(items):
         try:
             if task is None:
@@ -327,9 +370,16 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
             elif kind == "tool_call":
                 out[i] = judge_tool_call(task, completion)
             else:
-                raise VerifierError(f"task {task.task_id}: unknown verifier kind {kind!r}")
+                try:
+                    registry.get(kind)
+                except registry.RegistryError as exc:
+                    raise VerifierError(f"task {task.task_id}: {exc}") from None
+                users.setdefault(kind, []).append(i)
         except VerifierError as exc:
             out[i] = Verdict(0.0, "error", Feedback(message=f"bad task: {exc}"))
+    for kind, idxs in users.items():
+        for i, v in zip(idxs, score_registered(registry.get(kind), [items[i] for i in idxs])):
+            out[i] = v
     if jobs:
         unique = list(dict.fromkeys(jobs))  # identical (program, tests) pairs run once
         by_job = dict(zip(unique, sandbox.run(unique)))

@@ -32,6 +32,13 @@ def _load(config: Path, role: str):
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level)
+    from tasks import registry
+
+    try:
+        registry.configure(cfg.reward.verifiers)  # users' verifier kinds, known to every role
+    except registry.RegistryError as exc:
+        typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
     if cfg.metrics.port is not None:
         from conveyor.metrics import enable_process_metrics
 

@@ -47,11 +47,10 @@ from __future__ import annotations
 
 from producers.loaders.errors import RecordError, RecordRejected, TaskFileError
 from producers.loaders.loader import LoadResult, OnError, TaskLoader, iter_tasks, load_tasks
-from producers.loaders.mapping import KNOWN_VERIFIERS, PRESETS, FieldMapping, VerifierRule, load_mapping, resolve_mapping
+from producers.loaders.mapping import PRESETS, FieldMapping, VerifierRule, load_mapping, resolve_mapping
 from producers.loaders.records import build_task, record_hash
 
 __all__ = [
-    "KNOWN_VERIFIERS",
     "PRESETS",
     "FieldMapping",
     "LoadResult",

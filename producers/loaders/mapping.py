@@ -16,15 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conveyor.errors import ConfigError
-
-# Verifier kinds that tasks/verifiers.py scores, and the payload keys each one cannot do without.
-KNOWN_VERIFIERS: dict[str, tuple[str, ...]] = {
-    "python_program": (),
-    "python_tests": ("tests",),
-    "math": ("answer",),
-    "terminal": ("checks",),
-    "tool_call": ("expected",),
-}
+from tasks import registry
 
 
 class _Model(BaseModel):
@@ -51,8 +43,8 @@ class VerifierRule(_Model):
     def _one_kind(self) -> VerifierRule:
         if (self.kind is None) == (self.kind_field is None):
             raise ValueError("give exactly one of kind (fixed) or kind_field (read from the record)")
-        if self.kind is not None and self.kind not in KNOWN_VERIFIERS:
-            raise ValueError(f"unknown verifier kind {self.kind!r}; known: {', '.join(KNOWN_VERIFIERS)}")
+        if self.kind is not None and self.kind not in registry.known():
+            raise ValueError(f"unknown verifier kind {self.kind!r}; known: {', '.join(registry.known())}")
         return self
 
     @property

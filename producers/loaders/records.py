@@ -17,7 +17,8 @@ import msgspec
 
 from conveyor.contracts import ChatMessage, DecodeError, SamplingParams, Task, VerifierSpec, decode, encode
 from producers.loaders.errors import FieldError
-from producers.loaders.mapping import KNOWN_VERIFIERS, FieldMapping, VerifierRule
+from producers.loaders.mapping import FieldMapping, VerifierRule
+from tasks import registry
 
 _ROLES = ("system", "user", "assistant", "tool")
 _SPLITS = {
@@ -131,7 +132,7 @@ def _prompt(record: dict[str, Any], mapping: FieldMapping) -> tuple[str | None, 
 
 def _check_payload(kind: str, data: dict[str, Any], sources: dict[str, str]) -> None:
     """Types of the payload keys each verifier cannot do without."""
-    for key in KNOWN_VERIFIERS[kind]:
+    for key in registry.get(kind).required:
         where = sources.get(key, f"verifier.data.{key}")
         value = data.get(key)
         if value is None:
@@ -168,8 +169,8 @@ def _verifier(record: dict[str, Any], rules: list[VerifierRule]) -> VerifierSpec
         kind = _require(record, rule.kind_field)  # type: ignore[arg-type]
         if not isinstance(kind, str):
             raise FieldError(rule.kind_field, f"expected a verifier kind (text), got {_type_name(kind)}")
-        if kind not in KNOWN_VERIFIERS:
-            raise FieldError(rule.kind_field, f"unknown verifier kind {kind!r}; known: {', '.join(KNOWN_VERIFIERS)}")
+        if kind not in registry.known():
+            raise FieldError(rule.kind_field, f"unknown verifier kind {kind!r}; known: {', '.join(registry.known())}")
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if rule.data_field is not None:
