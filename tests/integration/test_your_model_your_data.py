@@ -32,7 +32,9 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def conveyor(*args, timeout: float = 600) -> str:
-    out = subprocess.run([sys.executable, "-m", "launch.cli.main", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.cli.main", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout
 
@@ -102,7 +104,10 @@ def test_sft_then_rl_on_your_data_then_eval(stack, kafka_cfg, s3_cfg, redis_url,
         producer={"suite": None, "group_size": 8, "http_port": None},
         data={"files": [str(files["train"])], "preset": "verl", "epochs": 3},
         sampling={"max_tokens": 5, "temperature": 1.0, "stop": ["\n"]},
-        rollout={"engine": "vllm", "vllm": {"dtype": "float32", "max_model_len": 64, "kv_cache_mb": 256, "memory_utilization": 0.05}},
+        rollout={
+            "engine": "vllm",
+            "vllm": {"dtype": "float32", "max_model_len": 64, "kv_cache_mb": 256, "memory_utilization": 0.05},
+        },
     )
     path = write_run_config(tmp_path / run_id, data)
     conveyor("config", "validate", path)  # reads the data file as the producer will
