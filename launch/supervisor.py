@@ -35,7 +35,10 @@ import yaml
 from conveyor.config import RunConfig
 
 log = structlog.get_logger(__name__)
-STOP_ORDER = ["producer", "rollout-worker", "reward-bridge", "reward-worker", "learner", "storage-sink"]
+# The evaluator stops after the learner: the policy the learner publishes at its stop is the last one
+# it may evaluate.
+STOP_ORDER = ["producer", "rollout-worker", "reward-bridge", "reward-worker", "learner", "evaluator", "storage-sink"]
+REFUSED = 2  # a role's exit code for a config or input it refuses at start: restarting cannot help
 
 
 def resolve_for_stack(cfg: RunConfig, endpoints: dict[str, str], bucket: str = "conveyor") -> dict:
@@ -134,6 +137,11 @@ class Supervisor:
             if code == 0 and role.name == "producer":  # its suite ran out: finished, not crashed
                 role.done = True
                 log.info("role_finished", role=role.name)
+                continue
+            if code == REFUSED:
+                role.done = True
+                role.history.append(code)
+                log.error("role_refused_to_start", role=role.name, exit_code=code, log=str(role.log_path))
                 continue
             if role.next_start_at == 0.0:
                 role.history.append(code)

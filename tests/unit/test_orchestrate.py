@@ -37,4 +37,20 @@ def test_crashed_roles_restart_a_finished_producer_does_not(tmp_path):
     codes = sup.stop(grace_s=5)
     assert codes["storage-sink"] == -15  # SIGTERM
     kinds = [n.rsplit("-", 1)[0] if n[-1].isdigit() else n for n in codes]
-    assert kinds == STOP_ORDER  # drained front to back, each kind once (one worker of each here)
+    assert kinds == [k for k in STOP_ORDER if k != "evaluator"]  # drained front to back, each kind once
+
+
+def test_the_evaluator_is_stopped_and_a_refused_start_is_not_retried(tmp_path):
+    sup = Supervisor(tmp_path, tmp_path / "run.yaml", tmp_path, evaluator=True)
+    py = sys.executable
+    for role in sup.roles.values():
+        role.argv = [py, "-c", "import time; time.sleep(60)"]
+    sup.roles["reward-bridge"].argv = [py, "-c", "import sys; sys.exit(2)"]  # refuses its config
+    sup.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not sup.roles["reward-bridge"].done:
+        sup.tick()
+        time.sleep(0.1)
+    assert sup.roles["reward-bridge"].done and sup.roles["reward-bridge"].restarts == 0
+    codes = sup.stop(grace_s=5)
+    assert codes["evaluator"] == -15 and codes["reward-bridge"] == 2  # stopped; reported as it exited
