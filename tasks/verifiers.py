@@ -41,10 +41,12 @@ Each kind reads its own payload from ``task.verifier.data``:
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -183,6 +185,33 @@ def as_number(s: str) -> float | None:
         return None
 
 
+_TOWER = re.compile(r"\^[^^]*\^|\^\s*\{?\s*\d{4,}|!\s*!")  # power towers, huge exponents, double factorials
+
+
+def symbolically_equal(want: str, got: str) -> bool:
+    """Whether two answers are the same mathematics (``math-verify``: fractions, radicals, sets,
+    intervals, LaTeX), for answers the numeric check cannot compare.
+
+    math-verify bounds its own time with SIGALRM, which only the main thread may use; elsewhere
+    (the in-process scorer's thread) an answer that could make sympy run away (a power tower, a
+    huge exponent, an answer over 200 characters) is not compared at all, and judged unequal."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main and (len(want) > 200 or len(got) > 200 or _TOWER.search(want) or _TOWER.search(got)):
+        return False
+    from math_verify import parse, verify
+
+    # Off the main thread its time limit is off by design (above): its warning saying so each call is noise.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    timeout = 5 if main else None
+    as_latex = lambda s: s if "$" in s or "\\(" in s else f"${s}$"  # noqa: E731
+    try:
+        gold = parse(as_latex(want), parsing_timeout=timeout)
+        answer = parse(as_latex(got), parsing_timeout=timeout)
+        return bool(gold) and bool(answer) and bool(verify(gold, answer, timeout_seconds=timeout))
+    except Exception:  # noqa: BLE001 - an answer math-verify cannot read is not equal
+        return False
+
+
 def judge_math(task: Task, completion: str) -> Verdict:
     data = task.verifier.data
     if "answer" not in data:
@@ -197,6 +226,9 @@ def judge_math(task: Task, completion: str) -> Verdict:
     tol = float(data.get("tolerance", 1e-6))
     if want_n is not None and got_n is not None and math.isclose(want_n, got_n, rel_tol=tol, abs_tol=tol):
         return Verdict(1.0, "pass")
+    if want_n is None or got_n is None:  # not two plain numbers: equal as mathematics?
+        if symbolically_equal(str(data["answer"]), got):
+            return Verdict(1.0, "pass")
     return Verdict(0.0, "fail", Feedback(message=f"answer {got!r} is not correct", text=completion[-200:]))
 
 

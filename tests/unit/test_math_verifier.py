@@ -54,3 +54,39 @@ def test_missing_ground_truth_is_the_tasks_fault():
     bad = Task(task_id="m", run_id="r", prompt="?", verifier=VerifierSpec(kind="math", data={}))
     with pytest.raises(VerifierError, match="data.answer"):
         judge_math(bad, "1")
+
+
+@pytest.mark.parametrize(
+    ("answer", "completion", "verdict"),
+    [
+        ("\\frac{1}{2}", "so the answer is $\\dfrac12$", "pass"),
+        ("\\sqrt{8}", "\\boxed{2\\sqrt{2}}", "pass"),
+        ("2\\sqrt{3}", "The answer is \\sqrt{12}", "pass"),
+        ("(1,3)", "\\boxed{(1, 3)}", "pass"),
+        ("\\frac{\\pi}{2}", "\\boxed{\\pi/2}", "pass"),
+        ("x^2-1", "\\boxed{(x-1)(x+1)}", "pass"),
+        ("\\{1,2\\}", "\\boxed{\\{2,1\\}}", "pass"),
+        ("\\sqrt{8}", "\\boxed{3}", "fail"),
+        ("(1,3)", "\\boxed{[1,3]}", "fail"),
+        ("x+1", "\\boxed{x-1}", "fail"),
+        ("\\frac{1}{3}", "\\boxed{0.33}", "fail"),
+    ],
+)
+def test_answers_equal_as_mathematics_pass(answer, completion, verdict):
+    assert judge_math(task(answer), completion).verdict == verdict
+
+
+def test_off_the_main_thread_a_runaway_answer_is_not_compared():
+    import threading
+
+    from tasks.verifiers import symbolically_equal
+
+    out = {}
+    worker = threading.Thread(
+        target=lambda: out.update(
+            tower=symbolically_equal("1", "9^{9^{9^{9}}}"), ok=symbolically_equal("\\sqrt{8}", "2\\sqrt{2}")
+        )
+    )
+    worker.start()
+    worker.join(30)
+    assert out == {"tower": False, "ok": True}
