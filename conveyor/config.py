@@ -198,6 +198,9 @@ class RewardConfig(_Section):
     the learner). A task that a worker started and left without a result past ``hard_time_limit_s``
     (the worker died) is submitted again well before this."""
 
+    queues: dict[str, str] = Field(default_factory=dict)
+    """Verifier kind -> Celery queue of its own (``{reward_model: conveyor.reward-rm}``), so the workers
+    that score it (``conveyor serve reward-worker --queue ...``) scale apart from the sandbox workers."""
     verifiers: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
     """Users' verifier kinds: ``{kind: "module:function"}`` or ``{kind: {fn, style, required, pass_at}}``
     (``tasks/registry.py``); every service registers them at start."""

@@ -22,7 +22,7 @@ def scorer(cfg: RunConfig) -> LocalScorer | CeleryScorer:
         return LocalScorer(Sandbox.from_config(cfg.reward))
     from reward.celery_app import make_app
 
-    return CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s)
+    return CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s, queues=cfg.reward.queues)
 
 
 def decoder(path: Path) -> Callable[[list[int]], str]:

@@ -138,14 +138,22 @@ def make_app(cfg: RunConfig) -> Celery:
     return app
 
 
-def run_worker(cfg: RunConfig, *, concurrency: int | None = None, hostname: str | None = None, loglevel: str = "INFO") -> None:
-    """Blocking: a Celery worker (prefork pool) consuming the reward queue."""
+def run_worker(
+    cfg: RunConfig,
+    *,
+    concurrency: int | None = None,
+    hostname: str | None = None,
+    loglevel: str = "INFO",
+    queue: str | None = None,
+) -> None:
+    """Blocking: a Celery worker (prefork pool) consuming the reward queue (or ``queue``: one of
+    ``reward.queues``, e.g. reward-model workers on GPU hosts)."""
     app = make_app(cfg)
     argv = [
         "worker",
         "--pool=prefork",
         f"--concurrency={concurrency or cfg.reward.worker_concurrency}",
-        f"--queues={cfg.reward.queue}",
+        f"--queues={queue or cfg.reward.queue}",
         f"--loglevel={loglevel}",
         "--without-gossip",
         "--without-mingle",

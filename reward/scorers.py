@@ -77,8 +77,9 @@ class CeleryScorer:
     """
 
     def __init__(self, app, *, result_timeout_s: float = 600.0, stuck_after_s: float | None = None,
-                 max_resubmits: int = 3, poll_s: float = 0.05) -> None:  # fmt: skip
+                 max_resubmits: int = 3, poll_s: float = 0.05, queues: dict[str, str] | None = None) -> None:  # fmt: skip
         self.app = app
+        self.queues = dict(queues or {})  # verifier kind -> Celery queue (default: the app's reward queue)
         self.task = app.conveyor_score
         self.result_timeout_s = result_timeout_s
         hard = app.conf.task_time_limit or 90.0
@@ -123,6 +124,10 @@ class CeleryScorer:
     async def score(self, items: Sequence[Item]) -> list[Verdict]:
         return list(await asyncio.gather(*self.submit(items)))
 
+    def _queue(self, args: list) -> str | None:
+        """The queue a task goes to: its verifier kind's own (``reward.queues``), else the default."""
+        return self.queues.get(args[0].get("verifier", {}).get("kind", "")) if self.queues else None
+
     @property
     def in_flight(self) -> int:
         return len(self._pending)
@@ -144,7 +149,7 @@ class CeleryScorer:
                 sends = [(rid, self._pending[rid].args) for rid in outbox if rid in self._pending]
             for rid, args in sends:
                 try:
-                    self.task.apply_async(args=args, task_id=rid)
+                    self.task.apply_async(args=args, task_id=rid, queue=self._queue(args))
                 except Exception as exc:  # noqa: BLE001 - the broker is down: sent again below, or infra at the deadline
                     log.warning("reward_task_not_sent", task_id=rid, error=str(exc)[:300])
                     with self._lock:
@@ -183,7 +188,7 @@ class CeleryScorer:
                         p.status, p.since = None, now
                         self.resubmitted += 1
                         log.warning("reward_task_resubmitted", task_id=rid, stuck_s=round(stuck_s, 1), resubmits=p.resubmits)
-                        self.task.apply_async(args=p.args, task_id=rid)
+                        self.task.apply_async(args=p.args, task_id=rid, queue=self._queue(p.args))
 
     def _metas(self, ids: list[str]) -> dict[str, dict]:
         backend = self.app.backend

@@ -66,6 +66,7 @@ _BUILTIN = (
     VerifierKind("math", ("answer",), "worker", True),
     VerifierKind("terminal", ("checks",), "sandbox", True),
     VerifierKind("tool_call", ("expected",), "worker", True),
+    VerifierKind("reward_model", ("model",), "worker", True),
 )
 _kinds: dict[str, VerifierKind] = {k.name: k for k in _BUILTIN}
 _entry_points_read = False

@@ -330,6 +330,27 @@ def _terminal(sandbox: Sandbox, task: Task, completion: str) -> Verdict:
     return Verdict(v.reward, v.verdict, v.feedback, details)
 
 
+def _reward_model_verdicts(model: str, items: Sequence[tuple[Task, str]]) -> list[Verdict]:
+    """``tasks/reward_model.py``'s scores as verdicts; a model that cannot be loaded or run scores
+    its samples ``error`` with the reason (the task's fault or the worker's, not the policy's)."""
+    from tasks.reward_model import scores
+
+    first = items[0][0].verifier.data
+    try:
+        raw = scores(model, [t for t, _ in items], [c for _, c in items], int(first.get("max_length", 2048)))
+    except Exception as exc:  # noqa: BLE001 - a missing model, a bad checkpoint, out of memory
+        return [Verdict(0.0, "error", Feedback(message=f"reward model {model}: {type(exc).__name__}: {exc}")) for _ in items]
+    out = []
+    for (task, _), x in zip(items, raw):
+        data = task.verifier.data
+        reward = (x - float(data.get("mean", 0.0))) / float(data.get("std", 1.0) or 1.0)
+        if not math.isfinite(reward):
+            out.append(Verdict(0.0, "error", Feedback(message=f"reward model {model}: score {x!r} is not finite")))
+            continue
+        out.append(Verdict(reward, "pass" if reward >= float(data.get("pass_at", 0.0)) else "fail", details={"rm_score": x}))
+    return out
+
+
 def score_registered(kind: registry.VerifierKind, items: Sequence[tuple[Task, str]]) -> list[Verdict]:
     """A registered kind's verdicts for its items, from one call of its function; what the
     function does wrong (raises, wrong count, a reward that is not a finite number) scores the
@@ -379,6 +400,7 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
     jobs: list[Job] = []
     owners: list[tuple[int, str]] = []  # (item index, how to judge)
     users: dict[str, list[int]] = {}  # a registered kind -> its items, scored in one call
+    rms: dict[str, list[int]] = {}  # a reward model -> its items, scored in one forward pass
     for i, (task, completion) in enumerate(items):
         try:
             if task is None:
@@ -401,6 +423,10 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
                 out[i] = _terminal(sandbox, task, completion)
             elif kind == "tool_call":
                 out[i] = judge_tool_call(task, completion)
+            elif kind == "reward_model":
+                if not isinstance(task.verifier.data.get("model"), str):
+                    raise VerifierError(f"task {task.task_id}: reward_model verifier needs data.model")
+                rms.setdefault(task.verifier.data["model"], []).append(i)
             else:
                 try:
                     registry.get(kind)
@@ -409,6 +435,9 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
                 users.setdefault(kind, []).append(i)
         except VerifierError as exc:
             out[i] = Verdict(0.0, "error", Feedback(message=f"bad task: {exc}"))
+    for model, idxs in rms.items():
+        for i, v in zip(idxs, _reward_model_verdicts(model, [items[i] for i in idxs])):
+            out[i] = v
     for kind, idxs in users.items():
         for i, v in zip(idxs, score_registered(registry.get(kind), [items[i] for i in idxs])):
             out[i] = v

@@ -120,6 +120,7 @@ def reward_worker(
     config: Path = CONFIG,
     concurrency: int = typer.Option(0, help="Pool processes (0: reward.worker_concurrency)."),
     hostname: str = typer.Option("", help="Celery node name (default reward@<host>)."),
+    queue: str = typer.Option("", help="Consume this queue instead of reward.queue (one of reward.queues' values)."),
 ) -> None:
     """A Celery worker that scores rollouts in the sandbox (one task per rollout)."""
     from reward.celery_app import run_worker
@@ -131,7 +132,9 @@ def reward_worker(
     except SandboxUnavailable as exc:
         typer.secho(f"sandbox unavailable: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(3) from None
-    run_worker(cfg, concurrency=concurrency or None, hostname=hostname or None, loglevel=cfg.logging.level.upper())
+    run_worker(
+        cfg, concurrency=concurrency or None, hostname=hostname or None, loglevel=cfg.logging.level.upper(), queue=queue or None
+    )
 
 
 @app.command("reward-bridge")
