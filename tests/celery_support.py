@@ -43,11 +43,11 @@ def write_config(path: Path, kind: str, redis_url: str, queue: str, **reward) ->
 class Worker:
     """``conveyor serve reward-worker`` in its own session (so kill -9 takes the whole pool)."""
 
-    def __init__(self, config: Path, name: str, log_dir: Path) -> None:
+    def __init__(self, config: Path, name: str, log_dir: Path, *, queue: str | None = None) -> None:
         self.log = log_dir / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launch.cli.main", "serve", "reward-worker", "--config", str(config),
-             "--concurrency", "1", "--hostname", f"{name}@%h"],
+             "--concurrency", "1", "--hostname", f"{name}@%h", *(["--queue", queue] if queue else [])],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 

@@ -119,3 +119,24 @@ def test_bridge_publishes_one_scored_rollout_per_rollout(celery_run):
     assert sorted((s.rollout_id, s.verdict) for s in scored) == sorted(
         [(rollouts[0].rollout_id, "pass"), (rollouts[1].rollout_id, "fail")]
     )
+
+
+def test_a_verifier_kind_goes_to_its_own_queue(redis_url, tmp_path):
+    """reward.queues sends a kind's tasks to a queue of their own; a worker started with --queue
+    consumes it (no worker consumes the default queue here: a task sent there would not return)."""
+    from conveyor.config import load_run_config
+    from reward.build import scorer
+
+    queue = f"it-own-{uuid.uuid4().hex[:6]}"
+    path = write_config(tmp_path / "run.yaml", "redis", redis_url, queue, queues={"math": f"{queue}-math"}, result_timeout_s=30)
+    worker = Worker(path, "w-math", tmp_path, queue=f"{queue}-math")
+    try:
+        worker.wait_for("ready")
+        s = scorer(load_run_config(path))
+        try:
+            [v] = asyncio.run(s.score([(T("m", "math", answer="3"), r"\boxed{3}", f"m-{uuid.uuid4().hex}")]))
+        finally:
+            s.close()
+        assert (v.reward, v.verdict) == (1.0, "pass")
+    finally:
+        worker.stop()
