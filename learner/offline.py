@@ -85,18 +85,12 @@ def _batches(items: list, size: int, rng: random.Random) -> Iterable[list]:
 def rejection_sampling_sft(
     model, rows: Iterable[ScoredRollout], pad_id: int, *, epochs: int = 1, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
 ) -> dict:
-    from learner.sft import sft_step
+    from learner.demonstrations import train_sft
 
     examples = passing_examples(rows)
     if not examples:
         raise ValueError("no passing trajectories to train on")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    losses = []
-    for _ in range(epochs):
-        for batch in _batches(examples, batch_size, rng):
-            losses.append(sft_step(model, opt, [p for p, _ in batch], [c for _, c in batch], pad_id))
-    return {"examples": len(examples), "steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1]}
+    return train_sft(model, examples, pad_id, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed)
 
 
 def _seq_logps(model, prompts, completions, pad_id) -> torch.Tensor:
