@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.config import RunConfig, parse_run_config
+from conveyor.config import RunConfig, with_overrides
 
 # The demo's run: every role in one process on in-memory topics, a local process pool for the
 # sandbox. Where a value differs from the run config's default, the comment says why.
@@ -45,17 +45,10 @@ DEMO_RUN: dict[str, Any] = {
 }
 
 
-def _merged(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return out
-
-
 def demo_run_config(overrides: dict[str, Any] | None = None, source: str = "the demo's options") -> RunConfig:
     """The demo's run config with ``overrides`` (sections of fields, as in a run config file);
     a bad value raises ConfigError naming the field."""
-    return parse_run_config(_merged(DEMO_RUN, overrides or {}), source)
+    return with_overrides(DEMO_RUN, overrides or {}, source)
 
 
 @dataclass
@@ -93,8 +86,4 @@ class DemoConfig:
         rollout = {}
         if self.run.rollout.max_inflight_tasks is None:  # twice a batch keeps vLLM's continuous batching fed
             rollout["max_inflight_tasks"] = self.run.learner.batch_groups * (2 if self.engine == "vllm" else 1)
-        data = self.run.model_dump(mode="python")
-        data.update(run_id=run_id)
-        data["learner"].update(learner)
-        data["rollout"].update(rollout)
-        return parse_run_config(data, "the demo's run config")
+        return with_overrides(self.run, {"run_id": run_id, "learner": learner, "rollout": rollout}, "the demo's run config")

@@ -34,7 +34,7 @@ class Dataset:
     tasks: list[Task]
     records: int = 0
     rejected: list[RecordError] = field(default_factory=list)
-    held_out: int = 0  # records of the other split
+    held_out: list[Task] = field(default_factory=list)  # tasks of the other split (the evaluator's)
 
 
 def load_dataset(cfg: RunConfig) -> Dataset:
@@ -67,7 +67,7 @@ def load_dataset(cfg: RunConfig) -> Dataset:
                 raise ConfigError(f"data.files: task id {task.task_id!r} of {path} is also in {seen[task.task_id]}")
             seen[task.task_id] = str(path)
             if task.split != data.split:
-                out.held_out += 1
+                out.held_out.append(task if task.sampling is not None else msgspec.structs.replace(task, sampling=defaults))
                 continue
             if task.group_size < 2:
                 raise ConfigError(
@@ -80,7 +80,11 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     for err in out.rejected:
         log.warning("producer.record_rejected", error=str(err))
     log.info(
-        "producer.dataset_loaded", tasks=len(out.tasks), records=out.records, rejected=len(out.rejected), held_out=out.held_out
+        "producer.dataset_loaded",
+        tasks=len(out.tasks),
+        records=out.records,
+        rejected=len(out.rejected),
+        held_out=len(out.held_out),
     )
     return out
 

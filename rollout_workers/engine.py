@@ -81,6 +81,13 @@ class AsyncEngine(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def stop_rules(stops, encode) -> tuple[frozenset[int], tuple[str, ...]]:
+    """Stop strings split by how they are applied: one-token strings as stop token ids (the engine
+    stops on them), longer ones as text (:func:`cut_at_stop_strings` after sampling)."""
+    encoded = [(s, encode(s)) for s in stops]
+    return frozenset(ids[0] for _, ids in encoded if len(ids) == 1), tuple(s for s, ids in encoded if len(ids) > 1)
+
+
 def cut_at_stop_strings(c: Completion, stops: tuple[str, ...], decode) -> Completion:
     """``c`` ended after the first token that completes one of ``stops`` (the stop string kept, as
     vLLM's ``include_stop_str_in_output``); unchanged when no stop string occurs.

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from conveyor.contracts import Task
-from rollout_workers.engine import SamplingRequest, cut_at_stop_strings
+from rollout_workers.engine import SamplingRequest, cut_at_stop_strings, stop_rules
 from tasks.verifiers import score_batch
 
 
@@ -92,18 +92,17 @@ async def evaluate(
     async def sample(task: Task):
         sp = task.sampling
         stops = tuple(sp.stop) if sp else stop
-        encoded = [(s, engine.encode(s)) for s in stops]
+        stop_ids, texts = stop_rules(stops, engine.encode)
         request = SamplingRequest(
             engine.encode_prompt(task.prompt, task.messages),
             n=n,
             max_tokens=sp.max_tokens if sp else max_tokens,
             temperature=max(temp, 1e-6),
             top_p=top_p,
-            stop_token_ids=frozenset(ids[0] for _, ids in encoded if len(ids) == 1),
+            stop_token_ids=stop_ids,
             greedy=temp == 0.0,
         )
         completions = await engine.generate(request)
-        texts = tuple(s for s, ids in encoded if len(ids) > 1)
         return [cut_at_stop_strings(c, texts, engine.decode) for c in completions] if texts else completions
 
     sampled = await asyncio.gather(*(sample(t) for t in tasks))

@@ -58,7 +58,14 @@ from conveyor.metrics import process_rollout_metrics
 from conveyor.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
-from rollout_workers.engine import BatchingEngine, Completion, SamplingRequest, WeightsRejected, cut_at_stop_strings
+from rollout_workers.engine import (
+    BatchingEngine,
+    Completion,
+    SamplingRequest,
+    WeightsRejected,
+    cut_at_stop_strings,
+    stop_rules,
+)
 from rollout_workers.multiturn import run_episodes
 
 log = structlog.get_logger(__name__)
@@ -295,9 +302,7 @@ class RolloutWorker:
     async def _sample(self, task: Task) -> list[Rollout]:
         started = time.time()
         sp = task.sampling or self.default_sampling
-        encoded = [(s, self.engine.encode(s)) for s in sp.stop]
-        stop_ids = frozenset(ids[0] for _, ids in encoded if len(ids) == 1)
-        stop_texts = tuple(s for s, ids in encoded if len(ids) > 1)
+        stop_ids, stop_texts = stop_rules(sp.stop, self.engine.encode)
         prompt = self.engine.encode_prompt(task.prompt, task.messages)
         request = SamplingRequest(
             prompt,

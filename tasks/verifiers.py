@@ -185,6 +185,9 @@ def as_number(s: str) -> float | None:
         return None
 
 
+# Off the main thread math-verify's time limit is off by design (symbolically_equal): its warning
+# saying so on every call is noise.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 _TOWER = re.compile(r"\^[^^]*\^|\^\s*\{?\s*\d{4,}|!\s*!")  # power towers, huge exponents, double factorials
 
 
@@ -200,8 +203,6 @@ def symbolically_equal(want: str, got: str) -> bool:
         return False
     from math_verify import parse, verify
 
-    # Off the main thread its time limit is off by design (above): its warning saying so each call is noise.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
     timeout = 5 if main else None
     as_latex = lambda s: s if "$" in s or "\\(" in s else f"${s}$"  # noqa: E731
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 
 from launch.cli import models
+from launch.cli.exits import fail
 from launch.cli.runs import CONFIG, STORE, open_store
 
 
@@ -49,21 +50,21 @@ def evaluate(
     from sandbox.runner import Sandbox, SandboxUnavailable
 
     if (model is None) == (run is None):
-        _fail("give --model or --run (one of them)")
+        fail("give --model or --run (one of them)")
     if engine not in ("reference", "vllm"):
-        _fail(f"--engine {engine}: reference or vllm")
+        fail(f"--engine {engine}: reference or vllm")
     if split not in ("heldout", "train", "all"):
-        _fail(f"--split {split}: heldout, train or all")
+        fail(f"--split {split}: heldout, train or all")
     try:
         loaded = load_tasks(data, "eval", preset or "plain", on_error="fail")
     except (RecordRejected, TaskFileError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     tasks = loaded.tasks if split == "all" else [t for t in loaded.tasks if t.split == split]
     if not tasks and split == "heldout":
         tasks = loaded.tasks  # a file of held-out tasks only carries no split
     tasks = tasks[:limit] if limit else tasks
     if not tasks:
-        _fail(f"{data}: no {split} tasks")
+        fail(f"{data}: no {split} tasks")
     with tempfile.TemporaryDirectory(prefix="conveyor-eval-") as tmp:
         if run is not None:
             from storage.model_export import ExportError, export_model
@@ -71,7 +72,7 @@ def evaluate(
             try:
                 exported = export_model(open_store(config, store), run, Path(tmp) / "model", version=version)
             except ExportError as exc:
-                _fail(str(exc))
+                fail(str(exc))
             model_dir = Path(tmp) / "model"
             typer.echo(f"run {run} version {exported['version']}", err=True)
         else:
@@ -79,7 +80,7 @@ def evaluate(
         try:
             sandbox = Sandbox.from_config(RewardConfig())
         except SandboxUnavailable as exc:
-            _fail(f"sandbox unavailable: {exc}")
+            fail(f"sandbox unavailable: {exc}")
         eng = open_engine(RolloutConfig(engine=engine), model_dir)  # type: ignore[arg-type]
 
         async def main():
@@ -101,7 +102,7 @@ def evaluate(
         try:
             report = asyncio.run(main())
         except ValueError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         finally:
             sandbox.close()
     summary = report.summary()
@@ -112,8 +113,3 @@ def evaluate(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"data": str(data), "model": model, "run": run, **report.to_json()}, indent=2))
-
-
-def _fail(message: str) -> None:
-    typer.secho(message, fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)

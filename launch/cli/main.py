@@ -17,6 +17,7 @@ from launch.cli import stack as stack_cli
 from launch.cli import tasks as tasks_cli
 from launch.cli import topics as topics_cli
 from launch.cli import train as train_cli
+from launch.cli.exits import fail
 from launch.demo import DemoConfig  # the demo command's defaults are the config's
 
 app = typer.Typer(
@@ -49,11 +50,6 @@ def _root(
     from conveyor.logging import configure_logging
 
     configure_logging("cli", fmt="console", level=log_level)
-
-
-def fail(message: str, code: int) -> None:
-    typer.secho(message, fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
 
 
 @app.command()
@@ -91,7 +87,7 @@ def config_validate(
             fail(str(exc), exc.exit_code)
         typer.echo(
             f"  data: {len(ds.tasks)} {cfg.data.split} tasks from {ds.records} records "
-            f"({len(ds.rejected)} rejected, {ds.held_out} of the other split), {cfg.data.epochs} epoch(s)"
+            f"({len(ds.rejected)} rejected, {len(ds.held_out)} of the other split), {cfg.data.epochs} epoch(s)"
         )
     if show:
         import yaml

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
+from launch.cli.exits import fail
 
 HELP = "Hugging Face model: a local directory, or a Hub id resolved through the local cache (HF_HUB_OFFLINE=1 works)."
 
@@ -16,5 +16,4 @@ def resolved(name: str | Path) -> Path:
     try:
         return resolve_model(name)
     except ModelNotFound as exc:
-        typer.secho(f"--model: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+        fail(f"--model: {exc}")

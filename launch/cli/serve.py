@@ -49,16 +49,14 @@ def _load(config: Path, role: str):
 def _override(cfg, section: str, **options):
     """The run config with the command line's options (those given) replacing its ``section``'s fields,
     validated like the file's own (a bad value names the field and exits 2)."""
-    from conveyor.config import parse_run_config
+    from conveyor.config import with_overrides
     from conveyor.errors import ConfigError
 
     given = {k: v for k, v in options.items() if v is not None}
     if not given:
         return cfg
-    data = cfg.model_dump(mode="python")
-    data[section] = {**data[section], **given}
     try:
-        return parse_run_config(data, f"(--options of {section})")
+        return with_overrides(cfg, {section: given}, f"(--options of {section})")
     except ConfigError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -344,18 +342,16 @@ def evaluator(
 
 
 def _heldout_tasks(cfg):
-    """The records of the data files outside ``data.split`` (the first ``eval.max_tasks``); exits 2
-    naming the field when there are none."""
-    from producers.loaders import RecordRejected, TaskFileError, load_tasks, resolve_mapping
+    """The data files' tasks outside ``data.split`` (the first ``eval.max_tasks``), read and checked as
+    the producer reads them; exits 2 naming the field when the files are bad or hold none."""
+    from conveyor.errors import ConfigError
+    from producers.datasets import load_dataset
 
-    held: list = []
-    for path in cfg.data.files:
-        try:
-            loaded = load_tasks(path, cfg.run_id, resolve_mapping(cfg.data.mapping, preset=cfg.data.preset), on_error="skip")
-        except (TaskFileError, RecordRejected, ValueError) as exc:
-            typer.secho(f"data.files: {exc}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2) from None
-        held.extend(t for t in loaded.tasks if t.split != cfg.data.split)
+    try:
+        held = load_dataset(cfg).held_out if cfg.data.files else []
+    except ConfigError as exc:
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
     if not held:
         typer.secho("eval.every: the data files (data.files) hold no held-out records to evaluate", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from launch.cli.exits import fail
+
 if TYPE_CHECKING:
     from conveyor.config import RunConfig
     from conveyor.contracts import Task
@@ -32,11 +34,6 @@ MAPPING = typer.Option(None, "--mapping", help="YAML of field-mapping overrides 
 MAX_ERROR_LINES = 20  # submit prints this many rejections, then a count
 
 
-def _fail(message: str, code: int) -> None:
-    typer.secho(message, fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
-
-
 def _mapping(preset: str | None, mapping: Path | None) -> FieldMapping:
     from conveyor.errors import ConfigError
     from producers.loaders import load_mapping, resolve_mapping
@@ -44,8 +41,7 @@ def _mapping(preset: str | None, mapping: Path | None) -> FieldMapping:
     try:
         return load_mapping(mapping, preset) if mapping is not None else resolve_mapping(preset=preset)
     except ConfigError as exc:
-        _fail(str(exc), exc.exit_code)
-        raise  # unreachable
+        fail(str(exc), exc.exit_code)
 
 
 @app.command("validate")
@@ -64,13 +60,13 @@ def validate(
         loader = TaskLoader(file, run, fmap, on_error="skip")
         tasks = sum(1 for _ in loader)
     except (TerminalError, ValueError) as exc:
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     for err in loader.errors:
         typer.echo(str(err))
     bad = len(loader.errors)
     typer.echo(f"{file}: {loader.records} records, {tasks} tasks ok, {bad} rejected")
     if loader.records == 0:
-        _fail(f"{file}: no records", 1)
+        fail(f"{file}: no records", 1)
     if bad:
         raise typer.Exit(1)
 
@@ -214,15 +210,15 @@ def submit(
     try:
         report = submit_file(file, run, config, preset, mapping, on_error, group_size)
     except RecordRejected as exc:
-        _fail(f"{exc}\nnothing published (use --on-error skip to publish the good records)", 1)
+        fail(f"{exc}\nnothing published (use --on-error skip to publish the good records)", 1)
     except (ConfigError, TaskFileError) as exc:
-        _fail(str(exc), exc.exit_code)
+        fail(str(exc), exc.exit_code)
     except ValueError as exc:  # a bad run id
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     except ConveyorError as exc:
-        _fail(str(exc), exc.exit_code)
+        fail(str(exc), exc.exit_code)
     except RuntimeError as exc:  # the broker refused some tasks
-        _fail(str(exc), 3)
+        fail(str(exc), 3)
     for err in report.rejected[:MAX_ERROR_LINES]:
         typer.echo(f"rejected {err}")
     if len(report.rejected) > MAX_ERROR_LINES:

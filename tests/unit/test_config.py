@@ -75,3 +75,13 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
 def test_secrets_are_not_printed():
     cfg = parse_run_config({"object_store": {"type": "s3", "secret_access_key": "hunter2"}})
     assert "hunter2" not in repr(cfg)
+
+
+def test_overrides_change_only_the_fields_they_name_and_are_checked():
+    from conveyor.config import with_overrides
+
+    base = parse_run_config({"run_id": "o", "learner": {"batch_groups": 4, "lr": 0.001}})
+    cfg = with_overrides(base, {"learner": {"max_lag": 0}, "run_id": "p"}, "test")
+    assert (cfg.run_id, cfg.learner.max_lag, cfg.learner.batch_groups, cfg.learner.lr) == ("p", 0, 4, 0.001)
+    with pytest.raises(ConfigError, match="learner.max_lag"):
+        with_overrides(base, {"learner": {"max_lag": -1}}, "test")

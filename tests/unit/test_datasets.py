@@ -49,7 +49,8 @@ def test_a_verl_file_becomes_trainable_chat_tasks(tmp_path):
         update={"sampling": cfg.sampling.model_copy(update={"max_tokens": 300, "temperature": 0.8, "stop": ["\n\n"]})}
     )
     ds = load_dataset(cfg)
-    assert (len(ds.tasks), ds.records, ds.held_out) == (5, 6, 1)
+    assert (len(ds.tasks), ds.records, len(ds.held_out)) == (5, 6, 1)
+    assert ds.held_out[0].split == "heldout" and ds.held_out[0].sampling.max_tokens == 300
     task = ds.tasks[0]
     assert task.messages == [ChatMessage(role="user", content="What is 0 + 0?")]
     assert task.group_size == 4  # the run's, where the record carries none
@@ -131,3 +132,20 @@ def test_config_validate_checks_the_data_files(monkeypatch, tmp_path):
         cfg.write_text(json.dumps({"run_id": "v", "data": {"files": [str(path)], "preset": "verl"}}))
         out = invoke(monkeypatch, ["config", "validate", str(cfg)])
         assert out.exit_code == code and says in out.output, out.output
+
+
+def test_the_evaluator_takes_the_other_splits_tasks_and_refuses_files_without_any(tmp_path):
+    import typer
+
+    from launch.cli.serve import _heldout_tasks
+
+    path = write_verl(tmp_path / "gsm8k.parquet", verl_rows(6))
+    cfg = parse_run_config({"run_id": "e", "data": {"files": [str(path)], "preset": "verl"}, "eval": {"every": 2}})
+    held = _heldout_tasks(cfg)
+    assert [t.split for t in held] == ["heldout"] and held[0].messages[0].content == "What is 5 + 5?"
+    rows = verl_rows(3)
+    rows[-1]["extra_info"]["split"] = "train"
+    only_train = write_verl(tmp_path / "train.parquet", rows)
+    with pytest.raises(typer.Exit) as refused:
+        _heldout_tasks(parse_run_config({"run_id": "e", "data": {"files": [str(only_train)], "preset": "verl"}}))
+    assert refused.value.exit_code == 2

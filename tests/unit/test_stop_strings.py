@@ -36,3 +36,11 @@ def test_no_stop_string_leaves_it_as_it_is():
 def test_version_segments_are_cut_with_it():
     c = cut_at_stop_strings(completion("ab##xyz", segments=((0, 3, 3), (3, 7, 4))), ("##",), decode)
     assert c.version_segments() == ((0, 3, 3), (3, 4, 4))
+
+
+def test_one_token_stop_strings_are_stop_ids_and_longer_ones_are_cut_in_the_text():
+    from rollout_workers.engine import stop_rules
+
+    encode = lambda s: [next(k for k, v in VOCAB.items() if v == ch) for ch in s]  # noqa: E731
+    assert stop_rules(["#", "\n\n", "x"], encode) == (frozenset({3, 4}), ("\n\n",))
+    assert stop_rules([], encode) == (frozenset(), ())
