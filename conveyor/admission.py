@@ -69,6 +69,7 @@ class AdmissionLedger:
         self._offered: dict[str, int] = {}  # offered, not claimed yet: key -> samples
         self.unclaimed_offered = 0
         self._offered_ever: set[str] = set()
+        self._reclaims: dict[str, int] = {}  # attempts claimed more than once: key -> extra claims
 
     @classmethod
     async def open(cls, io: ServiceClients, topics: Topics, member: str) -> AdmissionLedger:
@@ -82,11 +83,16 @@ class AdmissionLedger:
     def ticket(self, key: str) -> int | None:
         return self.tickets.get(key)
 
+    def claims(self, key: str) -> int:
+        """How many times the attempt was claimed (by any worker, this one's claim included)."""
+        return (key in self.tickets) + self._reclaims.get(key, 0)
+
     def apply(self, entry: Admission) -> None:
         """Take one ledger record into account (records must come in the topic's order)."""
         if entry.kind == "claim":
             for key, n in zip(entry.keys, entry.samples):
                 if key in self.tickets:
+                    self._reclaims[key] = self._reclaims.get(key, 0) + 1
                     continue  # claimed before: it keeps its first ticket
                 self.claimed_samples += n
                 self.tickets[key] = self.claimed_samples

@@ -109,6 +109,16 @@ class RewardConfig(_Section):
     verifiers: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
     """Users' verifier kinds: ``{kind: "module:function"}`` or ``{kind: {fn, style, required, pass_at}}``
     (``tasks/registry.py``); every service registers them at start."""
+    image_roots: list[str] = Field(default_factory=list)
+    """Absolute host directories a terminal task's ``verifier.data.image`` must resolve inside (``sandbox/images.py``);
+    empty: no task may name one. ``producer.image_roots`` refuses a submitted image earlier; this is the worker's check."""
+
+    @field_validator("image_roots")
+    @classmethod
+    def _image_roots(cls, v: list[str]) -> list[str]:
+        if any(not r.startswith("/") or ".." in r.split("/") or not r.strip("/.") for r in v):
+            raise ValueError("each image root must be an absolute path, not /, without '..'")
+        return v
 
     @model_validator(mode="after")
     def _ordered(self) -> RewardConfig:
@@ -127,10 +137,33 @@ class ProducerConfig(_Section):
     """Stop the suite stream after this many tasks (None: endless)."""
     seed: int = 0
     http_host: str = "127.0.0.1"
+    """Address the HTTP API binds; beyond loopback the producer refuses to start without API tokens."""
     http_port: int | None = Field(8600, ge=0, le=65535)
     """Serve the HTTP API here (0: any free port; None: no API)."""
+    api_tokens_env: str = Field("CONVEYOR_API_TOKENS", min_length=1)
+    """Environment variable with the API's bearer tokens, comma-separated (several: rotation; in Kubernetes
+    from a Secret; never in this file, which is logged). Unset: no authentication, loopback only."""
     max_batch: int = Field(1000, ge=1)
     """Most tasks accepted in one HTTP submission."""
+    max_body_bytes: int = Field(4 << 20, ge=1024, le=256 << 20)
+    """Largest HTTP request body (413 beyond it), checked before the body is parsed."""
+    max_prompt_chars: int = Field(100_000, ge=1)
+    max_messages: int = Field(256, ge=1)
+    max_message_chars: int = Field(100_000, ge=1)
+    max_verifier_data_bytes: int = Field(1 << 20, ge=1024)
+    """Largest ``verifier.data`` of one task, msgpack-encoded as it travels on the tasks topic."""
+    max_metadata_entries: int = Field(64, ge=0)
+    max_metadata_chars: int = Field(1024, ge=1)
+    max_group_size: int = Field(64, ge=2, le=1024)
+    """Largest ``group_size`` a submitted task may ask for: each sample costs a generation and a scoring."""
+    max_tokens_limit: int = Field(32768, ge=1)
+    """Largest ``sampling.max_tokens`` accepted; lowered to ``rollout.vllm.max_model_len`` when that is set."""
+    image_roots: list[str] = Field(default_factory=list)
+    """Directories a submitted ``verifier.data.image`` must lie in, ``..`` and symlinks resolved (empty:
+    ``reward.image_roots``; both empty: tasks naming an image are refused)."""
+    rate_limit_per_s: float | None = Field(None, ge=0)
+    """Requests per second per bearer token (token bucket; 429 + Retry-After beyond). None or 0: no limit."""
+    rate_limit_burst: int = Field(20, ge=1)
     curriculum: bool = False
     """Schedule the suite through producers/curriculum.py (re-queue mixed, retire solved, keep hard ones coming)."""
     min_hard_fraction: float = Field(0.1, ge=0, le=1)
@@ -141,6 +174,14 @@ class ProducerConfig(_Section):
         if v < 2:
             raise ValueError("must be >= 2: GRPO's advantages are relative to the group's mean; a group of one trains nothing")
         return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProducerConfig:
+        if self.group_size > self.max_group_size:
+            raise ValueError(f"group_size ({self.group_size}) exceeds max_group_size ({self.max_group_size})")
+        if any(not r.startswith("/") or ".." in r.split("/") or not r.strip("/.") for r in self.image_roots):
+            raise ValueError("image_roots must be absolute paths, not /, without '..'")
+        return self
 
 
 class SamplingDefaults(_Section):
@@ -283,6 +324,9 @@ class RolloutConfig(_Section):
     threads: int = Field(0, ge=0)
     """torch intra-op threads of the reference engine (0: torch's default)."""
     seed: int = 0
+    max_task_claims: int = Field(5, ge=2)
+    """A task attempt claimed this many times (its workers died or lost it before publishing) is
+    refused by the next worker instead of possibly killing it too."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 

@@ -23,71 +23,26 @@ Usage::
 
 from __future__ import annotations
 
-import array
 import hashlib
-import sys
+import math
 import time
 from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from conveyor.limits import MAX_ABS_REWARD, MAX_GROUP_SIZE, check_depth
+from conveyor.limits import MAX_DATA_DEPTH as MAX_DATA_DEPTH
+from conveyor.limits import nesting_depth as nesting_depth
+from conveyor.packed import _BIG_ENDIAN, _packed
+from conveyor.packed import float32_array as float32_array
+from conveyor.packed import int32_array as int32_array
+from conveyor.packed import uint8_array as uint8_array
+
 SCHEMA_VERSION = 1
-_BIG_ENDIAN = sys.byteorder == "big"
 
 
 class DecodeError(ValueError):
     """Bytes that are not a valid message of the expected type."""
-
-
-# --------------------------------------------------------------------------
-# packed numeric arrays
-#
-# On the wire a token array is one msgpack ``bin`` of little-endian int32
-# (token ids), float32 (logprobs) or uint8 (loss masks). In memory it is a
-# typed ``memoryview`` (format "i", "f" or "B"): decoding is zero-copy (the
-# view points into the received record), ``len``/indexing/``tolist()`` work,
-# and ``torch.frombuffer`` / ``numpy.frombuffer`` take it without a copy.
-# Constructors accept any sequence of numbers and pack it.
-
-_BIG_ENDIAN = sys.byteorder == "big"
-_ITEMSIZE = {"i": 4, "f": 4, "B": 1}
-
-
-def _packed(value: Any, fmt: str, field_name: str) -> memoryview:
-    if isinstance(value, memoryview) and value.format == fmt and value.ndim == 1:
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview)):  # wire form: raw little-endian bytes
-        raw = value if isinstance(value, memoryview) else memoryview(value)
-        if raw.format not in ("B", "b", "c"):
-            raw = raw.cast("B")
-        if len(raw) % _ITEMSIZE[fmt]:
-            raise ValueError(f"{field_name}: {len(raw)} bytes is not a multiple of {_ITEMSIZE[fmt]}")
-        if _BIG_ENDIAN and _ITEMSIZE[fmt] > 1:
-            arr = array.array(fmt)
-            arr.frombytes(raw)
-            arr.byteswap()
-            return memoryview(arr)
-        return raw.cast(fmt)  # type: ignore[call-overload]  # fmt is one of the struct codes
-    arr = array.array(fmt, value)
-    if _BIG_ENDIAN and _ITEMSIZE[fmt] > 1:
-        # Stored little-endian so that encode can send the buffer as is.
-        raise NotImplementedError("big-endian hosts are not supported")
-    return memoryview(arr)
-
-
-def int32_array(values: Any) -> memoryview:
-    """Token ids as a packed int32 view."""
-    return _packed(values, "i", "int32_array")
-
-
-def float32_array(values: Any) -> memoryview:
-    """Logprobs as a packed float32 view."""
-    return _packed(values, "f", "float32_array")
-
-
-def uint8_array(values: Any) -> memoryview:
-    """A loss mask as a packed uint8 view."""
-    return _packed(values, "B", "uint8_array")
 
 
 # --------------------------------------------------------------------------
@@ -127,6 +82,9 @@ class VerifierSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     kind: str
     data: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_depth(self.data, "verifier.data")
+
 
 class SamplingParams(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     temperature: float = 1.0
@@ -157,8 +115,8 @@ class Task(Message, frozen=True, kw_only=True, tag="task"):
     def __post_init__(self) -> None:
         if self.prompt is None and not self.messages:
             raise ValueError("Task needs a prompt or chat messages")
-        if self.group_size < 1:
-            raise ValueError("Task.group_size must be >= 1")
+        if not 1 <= self.group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"Task.group_size must be in [1, {MAX_GROUP_SIZE}]")
         if self.max_turns < 1:
             raise ValueError("Task.max_turns must be >= 1")
 
@@ -192,6 +150,9 @@ class ToolCall(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     name: str
     arguments: dict[str, Any] = msgspec.field(default_factory=dict)
     call_id: str | None = None
+
+    def __post_init__(self) -> None:
+        check_depth(self.arguments, "tool call arguments")
 
 
 class Turn(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -243,6 +204,9 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
     finish_reason: Literal["stop", "length", "abort", "tool_limit", "error"] = "stop"
     timings: Timings = msgspec.field(default_factory=Timings)
     task: Task | None = None  # the task it answers (verifier spec travels with it)
+    error: str | None = None
+    """Why the worker refused the task (``finish_reason == "error"``): no tokens, scored ``infra``,
+    so the learner counts the samples consumed without training on them."""
 
     def __post_init__(self) -> None:
         for name, fmt, size in _ROLLOUT_ARRAYS:
@@ -305,6 +269,10 @@ class ScoredRollout(Message, frozen=True, kw_only=True, tag="scored"):
     details: dict[str, float] = msgspec.field(default_factory=dict)
     scored_at: float = msgspec.field(default_factory=time.time)
     completion_text: str | None = None  # the completion as the verifier read it (for the lake and humans)
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.reward) or abs(self.reward) > MAX_ABS_REWARD:
+            raise ValueError(f"reward {self.reward!r} is not a finite number within ±{MAX_ABS_REWARD:g}")
 
     @property
     def rollout_id(self) -> str:
@@ -430,10 +398,16 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 
 
+def _no_ext(code: int, data: memoryview) -> Any:
+    # No contract uses msgpack extension types; one inside a free-form payload would decode to an
+    # Ext object that every later step (the lake's Arrow writer, Celery's serializer) chokes on.
+    raise ValueError(f"msgpack extension type {code} is not allowed in a message")
+
+
 def _decoder(typ: Any) -> msgspec.msgpack.Decoder:
     dec = _decoders.get(typ)
     if dec is None:
-        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
+        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ, ext_hook=_no_ext)
     return dec
 
 
@@ -441,12 +415,21 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
+def _checked(msg: Any, typ: Any) -> Any:
+    version = getattr(msg, "schema_version", SCHEMA_VERSION)
+    if version > SCHEMA_VERSION:
+        # Fields a newer schema added would be silently dropped: refuse instead of guessing.
+        raise DecodeError(f"{type(msg).__name__} has schema version {version}; this code reads up to {SCHEMA_VERSION}")
+    return msg
+
+
 def decode(raw: bytes, typ: type[M]) -> M:
-    """Decode ``raw`` as ``typ``; any failure is a :class:`DecodeError`."""
+    """Decode ``raw`` as ``typ``; any failure (newer schema versions included) is a :class:`DecodeError`."""
     try:
-        return _decoder(typ).decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
-        raise DecodeError(f"not a valid {typ.__name__}: {exc}") from exc
+        msg = _decoder(typ).decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise DecodeError(f"not a valid {getattr(typ, '__name__', 'message')}: {exc}") from exc
+    return _checked(msg, typ)
 
 
 _claim_unions: dict[type, Any] = {}
@@ -458,9 +441,10 @@ def decode_or_claim(raw: bytes, typ: type[M]) -> M | ClaimRef:
     if union is None:
         union = _claim_unions[typ] = typ | ClaimRef  # type: ignore[operator]
     try:
-        return _decoder(union).decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+        msg = _decoder(union).decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
         raise DecodeError(f"not a valid {typ.__name__}: {exc}") from exc
+    return _checked(msg, typ)
 
 
 def decode_any(raw: bytes) -> Message:

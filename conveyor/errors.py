@@ -35,3 +35,7 @@ class TransportUnavailable(RetryableError):
 
 class ChecksumMismatch(TerminalError):
     """An object's bytes do not match the checksum recorded for them."""
+
+
+class CheckpointRefused(TerminalError):
+    """A checkpoint that must not be loaded: a pickle, or a pointer whose signature is missing or wrong."""

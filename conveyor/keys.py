@@ -3,7 +3,8 @@
     runs/<run>/weights/v<version:06d>/model.safetensors    policy versions (the learner)
     runs/<run>/model/<file>                                the initial model's config, tokenizer and
                                                            generation config (what an export needs)
-    runs/<run>/checkpoints/step-<step:09d>.pt              learner checkpoints
+    runs/<run>/checkpoints/step-<step:09d>.json            a learner checkpoint's manifest (its state but tensors)
+    runs/<run>/checkpoints/step-<step:09d>.safetensors     a learner checkpoint's tensors
     runs/<run>/checkpoints/latest.json                     pointer to the newest checkpoint
     runs/<run>/producer/position.json                      the producer's position in its source
     runs/<run>/lake/policy_version=<v>/part-<h>.parquet    trajectory parts (storage/lake.py)
@@ -21,6 +22,7 @@ import re
 
 RUNS = "runs/"
 _WEIGHTS = re.compile(r"^runs/(?P<run>[^/]+)/weights/v(?P<version>\d+)/")
+_CHECKPOINT_STEP = re.compile(r"/checkpoints/step-(?P<step>\d+)\.[^/]+$")
 _LAKE_VERSION = re.compile(r"/lake/policy_version=(?P<version>\d+)/")
 
 
@@ -70,7 +72,18 @@ def checkpoints_prefix(run_id: str) -> str:
 
 
 def checkpoint_key(run_id: str, step: int) -> str:
-    return f"{checkpoints_prefix(run_id)}step-{step:09d}.pt"
+    """A checkpoint's manifest: its state except tensors, and where each tensor goes."""
+    return f"{checkpoints_prefix(run_id)}step-{step:09d}.json"
+
+
+def checkpoint_tensors_key(run_id: str, step: int) -> str:
+    return f"{checkpoints_prefix(run_id)}step-{step:09d}.safetensors"
+
+
+def checkpoint_step(key: str) -> int | None:
+    """The step of any object of a checkpoint (None when ``key`` is not one)."""
+    m = _CHECKPOINT_STEP.search(key)
+    return int(m.group("step")) if m else None
 
 
 def checkpoint_steps_prefix(run_id: str) -> str:

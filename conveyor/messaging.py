@@ -196,23 +196,32 @@ class Subscriber(Generic[M]):
                     msg = await self._resolve(msg)
             except (DecodeError, ChecksumMismatch, KeyError) as exc:
                 # KeyError: the claim-check object is gone (ObjectNotFound).
-                reason = type(exc).__name__
-                log.warning(
-                    "message.dead_lettered",
-                    topic=record.topic,
-                    partition=record.partition,
-                    offset=record.offset,
-                    error=str(exc)[:500],
-                )
-                await self.dead_letters.send(record, f"{reason}: {exc}")
-                self.dead_lettered += 1
-                if self.metrics:
-                    self.metrics.dead_lettered.labels(record.topic, reason).inc()
+                await self._dead_letter(record, type(exc).__name__, str(exc))
                 continue
             if self.metrics:
                 self.metrics.consumed.labels(record.topic).inc()
             out.append(Delivery(msg, record))  # type: ignore[arg-type]  # a ClaimRef was resolved above
         return out
+
+    async def dead_letter(self, delivery: Delivery[M], reason: str, error: str) -> None:
+        """Send a record that decoded but cannot be processed (``reason``: a short class of the
+        failure, for the metric) to the dead-letter topic; the caller then treats it as done, so
+        the partition moves on past it."""
+        await self._dead_letter(delivery.record, reason, error)
+
+    async def _dead_letter(self, record: Record, reason: str, error: str) -> None:
+        log.warning(
+            "message.dead_lettered",
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            reason=reason,
+            error=error[:500],
+        )
+        await self.dead_letters.send(record, f"{reason}: {error}")
+        self.dead_lettered += 1
+        if self.metrics:
+            self.metrics.dead_lettered.labels(record.topic, reason).inc()
 
     async def commit(self, deliveries: Sequence[Delivery[M]] | None = None) -> None:
         """Commit ``deliveries`` (positional per partition), or everything polled so far."""

@@ -161,14 +161,18 @@ class Supervisor:
         return {name: role.pid for name, role in self.roles.items()}
 
     def stop(self, grace_s: float = 60.0) -> dict[str, int | None]:
-        """SIGTERM role kinds front to back, waiting for each kind to drain and exit."""
+        """SIGTERM role kinds front to back, waiting for each kind to drain and exit; a role still
+        running after ``grace_s`` is killed with its whole process group."""
         codes: dict[str, int | None] = {}
         for kind in STOP_ORDER:
             group = [r for r in self.roles.values() if r.name == kind or r.name.startswith(kind + "-")]
             for r in group:
                 r.stopping = True
                 if r.proc is not None and r.proc.poll() is None:
-                    os.killpg(r.proc.pid, signal.SIGTERM)
+                    # The role's process only, as Kubernetes signals a container's PID 1: its children
+                    # are its own to stop. vLLM's engine process aborts every request in flight when it
+                    # gets SIGTERM itself, and the worker's drain would then wait on them until killed.
+                    os.kill(r.proc.pid, signal.SIGTERM)
             for r in group:
                 if r.proc is None:
                     continue

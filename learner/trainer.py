@@ -27,6 +27,7 @@ the child of ``learner/step_process.py`` and on every follower rank.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -173,14 +174,22 @@ class Trainer:
         schedule (on several ranks every rank runs them on the same ``work`` and trains its share)."""
         updates = self.config.updates_per_batch
         prox_cache: list = []
+        skipped = 0
         for update in range(updates):
             loss, stats = self.accumulate(**work, prox_cache=prox_cache)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm is a replicated DTensor
                 grad_norm = grad_norm.full_tensor()
-            self.optimizer.step()
+            if math.isfinite(float(grad_norm)) and math.isfinite(loss):
+                self.optimizer.step()
+            else:
+                # One NaN update poisons the weights for good, and every rollout worker that loads
+                # them: the update is dropped (every rank sees the same replicated norm) and counted.
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
             if update == 0:
                 first = dict(stats, loss=loss, grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        first["nonfinite_updates_skipped"] = skipped
         self.scheduler.step()
         if updates > 1:
             first.update(

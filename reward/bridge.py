@@ -20,13 +20,16 @@ non-zero and the run's supervisor reports it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+import typing
 from collections import OrderedDict, deque
 
 import structlog
 
 from conveyor.config import BridgeConfig
-from conveyor.contracts import Rollout, ScoredRollout, tool_episode_script
+from conveyor.contracts import Feedback, Rollout, ScoredRollout, tool_episode_script
+from conveyor.limits import MAX_ABS_REWARD
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
@@ -128,24 +131,44 @@ class RewardBridge:
             self._scoring[fut] = (entry, r, text)
 
     def _submit(self, rollouts: list[Rollout]) -> tuple[list[str], list[asyncio.Future]]:
-        """Each rollout's completion text, and a future of its verdict."""
-        texts = [self.decode_text(r.completion_token_ids.tolist()) for r in rollouts]
+        """Each rollout's completion text, and a future of its verdict (an ``infra`` verdict, never
+        an exception, for a rollout that cannot be read or scored: one rollout stops nothing)."""
+        texts = [self._text(r) for r in rollouts]
         # A multi-turn episode is judged by its last attempt.
         attempts = [t if (a := _judged_text(r)) is None else a for r, t in zip(rollouts, texts)]
-        return texts, self.scorer.submit([(r.task, a, r.rollout_id) for r, a in zip(rollouts, attempts)])
+        # A rollout the worker refused has nothing to score: it is ``infra`` (not trained, counted).
+        scored = [i for i, r in enumerate(rollouts) if r.finish_reason != "error"]
+        futures = [None if r.finish_reason != "error" else _refused(r) for r in rollouts]
+        if scored:
+            try:
+                got = self.scorer.submit([(rollouts[i].task, attempts[i], rollouts[i].rollout_id) for i in scored])
+            except Exception as exc:  # noqa: BLE001 - the scorer refused the batch: each rollout says why
+                log.error("reward_bridge.submit_failed", rollouts=len(scored), error=repr(exc)[:300])
+                got = [_failed(exc) for _ in scored]
+            for i, fut in zip(scored, got):
+                futures[i] = fut
+        return texts, futures
+
+    def _text(self, rollout: Rollout) -> str:
+        try:
+            return self.decode_text(rollout.completion_token_ids.tolist())
+        except Exception as exc:  # noqa: BLE001 - e.g. token ids outside the tokenizer's vocabulary
+            log.warning("reward_bridge.undecodable_completion", rollout_id=rollout.rollout_id, error=repr(exc)[:200])
+            return ""
 
     async def score(self, rollouts: list[Rollout]) -> list[ScoredRollout]:
         """What the bridge publishes for ``rollouts``, without a topic (for tests and replays)."""
         texts, futures = self._submit(rollouts)
-        verdicts = await asyncio.gather(*futures)
-        return [_scored(r, v, t) for r, v, t in zip(rollouts, verdicts, texts)]
+        verdicts = await asyncio.gather(*futures, return_exceptions=True)
+        return [_scored(r, _infra(v) if isinstance(v, BaseException) else v, t) for r, v, t in zip(rollouts, verdicts, texts)]
 
     async def _publish(self, done: set[asyncio.Future], publisher: Publisher[ScoredRollout]) -> None:
         """Publish the verdicts that came back; an entry is done once the broker acknowledged it."""
         acks, entries = [], []
         for fut in done:
             entry, r, text = self._scoring.pop(fut)
-            acks.append(await publisher.publish(_scored(r, fut.result(), text), r.task_id))
+            verdict = fut.result() if fut.exception() is None else _infra(fut.exception())
+            acks.append(await publisher.publish(_scored(r, verdict, text), r.task_id))
             entries.append(entry)
         await asyncio.gather(*acks)
         for entry in entries:
@@ -183,15 +206,55 @@ class RewardBridge:
             self._seen.popitem(last=False)
 
 
+VERDICTS = frozenset(typing.get_args(typing.get_type_hints(ScoredRollout)["verdict"]))
+
+
 def _scored(rollout: Rollout, v, text: str) -> ScoredRollout:
+    """The scored record of a verdict. A verdict no consumer could read (a user's function that
+    returned NaN, an infinite or huge reward, an unknown verdict name or non-numeric details)
+    becomes an ``error`` verdict saying why, instead of a record the learner would train NaN on."""
+    feedback = v.feedback
+    try:
+        reward = float(v.reward)
+        verdict = v.verdict
+        details = {str(k): float(x) for k, x in (v.details or {}).items() if math.isfinite(float(x))}
+        if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+            raise ValueError(f"reward {reward!r} is not a finite number within ±{MAX_ABS_REWARD:g}")
+        if verdict not in VERDICTS:
+            raise ValueError(f"verdict {verdict!r} is not one of {sorted(VERDICTS)}")
+    except (TypeError, ValueError) as exc:
+        reward, verdict, details = 0.0, "error", {}
+        feedback = Feedback(message=f"the verifier's result was refused: {exc}"[:500])
+        log.warning("reward_bridge.verdict_refused", rollout_id=rollout.rollout_id, error=str(exc)[:200])
     return ScoredRollout(
         rollout=rollout,
-        reward=v.reward,
-        verdict=v.verdict,
-        feedback=v.feedback,
-        details=v.details,
+        reward=reward,
+        verdict=verdict,
+        feedback=feedback,
+        details=details,
         completion_text=text,
     )
+
+
+def _infra(exc: BaseException):
+    from tasks.verifiers import Verdict
+
+    log.error("reward_bridge.scoring_failed", error=repr(exc)[:300])
+    return Verdict(0.0, "infra", Feedback(message=f"scoring failed: {type(exc).__name__}: {exc}"[:500]))
+
+
+def _refused(rollout: Rollout) -> asyncio.Future:
+    from tasks.verifiers import Verdict
+
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(Verdict(0.0, "infra", Feedback(message=f"the rollout worker refused the task: {rollout.error}"[:500])))
+    return fut
+
+
+def _failed(exc: Exception) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
 
 
 def _judged_text(rollout: Rollout) -> str | None:

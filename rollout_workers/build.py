@@ -59,4 +59,6 @@ def build(
         tool_sandbox=tool_sandbox,
         metrics=metrics,
         default_sampling=SamplingParams(**cfg.sampling.model_dump()),
+        max_group_size=cfg.producer.max_group_size,  # the API's limit holds for every source
+        max_task_claims=cfg.rollout.max_task_claims,
     )

@@ -134,6 +134,8 @@ class BatchingEngine:
     ``load_state_dict``): requests that arrive while a batch runs form the next batch,
     grouped by sampling parameters. Swaps happen between batches."""
 
+    supports_top_p = False  # the reference engine samples the whole distribution
+
     def __init__(self, engine, *, max_batch_rows: int = 512) -> None:
         self.inner = engine
         self.tokenizer = engine.tokenizer

@@ -30,6 +30,10 @@
   regenerates the uncommitted tasks under the same deterministic
   ``rollout_id`` values. An engine failure ends the worker with the error
   (the process exits non-zero; its tasks are redelivered to another worker).
+- One task never stops a worker: a task it cannot serve is dead-lettered and
+  answered with ``error`` rollouts (``rollout_workers/refusals.py``), and so is
+  an attempt that workers already claimed ``max_task_claims`` times without
+  finishing it (it was probably what killed them).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from conveyor.contracts import (
     rollout_id,
 )
 from conveyor.errors import ChecksumMismatch
-from conveyor.messaging import Publisher, ServiceClients, Subscriber
+from conveyor.limits import MAX_GROUP_SIZE
+from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.metrics import process_rollout_metrics
 from conveyor.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 from conveyor.topics import Topics
@@ -67,6 +72,7 @@ from rollout_workers.engine import (
     stop_rules,
 )
 from rollout_workers.multiturn import run_episodes
+from rollout_workers.refusals import TaskLimits, TaskRefused, error_rollouts, prompt_refusal, refusal
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +95,8 @@ class RolloutWorker:
         metrics=None,
         tool_sandbox=None,
         default_sampling: SamplingParams | None = None,
+        max_group_size: int = MAX_GROUP_SIZE,
+        max_task_claims: int = 5,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -106,6 +114,13 @@ class RolloutWorker:
         # directly (tests, benchmarks), short completions.
         self.default_sampling = default_sampling or SamplingParams(max_tokens=16)
         self.max_context_tokens = max_context_tokens or getattr(self.engine, "max_context", None) or 4096
+        self.limits = TaskLimits(
+            max_group_size=max_group_size,
+            max_context_tokens=self.max_context_tokens,
+            max_claims=max_task_claims,
+            top_p=getattr(self.engine, "supports_top_p", True),
+        )
+        self.tasks_refused = 0
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
         """Rollouts published (acknowledged by the broker)."""
@@ -136,7 +151,7 @@ class RolloutWorker:
             progress = await io.subscribe([self.topics.progress], None, LearnerProgress)
             self.ledger = await AdmissionLedger.open(io, self.topics, f"rw-{self.worker_id}")
             await self._catch_up(weights, progress)
-            tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
+            tasks = self._tasks = await io.subscribe([self.topics.tasks], self.group_id, Task)
             waiting: list[list] = []  # [delivery, rollouts | None, published] polled, not yet started
             order: list[list] = []  # entries in start (= ticket) order: the order they are published in
             polled_order: list[list] = []  # every entry in poll order: the order offsets are committed in
@@ -184,7 +199,7 @@ class RolloutWorker:
             if ticket is None or not admissible(ticket, self.consumed, self.bound):
                 break
             entry = waiting.pop(0)
-            running[asyncio.create_task(self._sample(entry[0].message))] = entry
+            running[asyncio.create_task(self._sample_or_refuse(entry[0]))] = entry
             started.append(entry)
         return started
 
@@ -299,18 +314,38 @@ class RolloutWorker:
         log.info("rollout_worker.swapped", version=ann.version, seconds=round(self.swap_seconds[-1], 3))
         return True
 
-    async def _sample(self, task: Task) -> list[Rollout]:
-        started = time.time()
+    async def _sample_or_refuse(self, delivery: Delivery[Task]) -> list[Rollout]:
+        """The task's rollouts; for a task this worker refuses (``rollout_workers/refusals.py``),
+        its dead letter and ``error`` rollouts. An engine failure still ends the worker."""
+        task = delivery.message
         sp = task.sampling or self.default_sampling
+        reason = refusal(task, sp, self.ledger.claims(_key(task)), self.limits)
+        if reason is None:
+            try:
+                return await self._sample(task, sp)
+            except ValueError as exc:  # the engine refused this request (validation), not an engine failure
+                reason = f"the engine refused the request: {exc}"
+        self.tasks_refused += 1
+        log.warning("rollout_worker.task_refused", task_id=task.task_id, attempt=task.attempt, reason=reason[:300])
+        await self._tasks.dead_letter(delivery, "TaskRefused", reason)
+        return error_rollouts(task, reason, self.engine.version)
+
+    async def _sample(self, task: Task, sp: SamplingParams) -> list[Rollout]:
+        started = time.time()
         stop_ids, stop_texts = stop_rules(sp.stop, self.engine.encode)
         prompt = self.engine.encode_prompt(task.prompt, task.messages)
+        too_long = prompt_refusal(len(prompt), sp, self.limits)
+        if too_long:
+            raise TaskRefused(too_long)
+        greedy = sp.temperature == 0  # temperature 0 means greedy, as in vLLM and the OpenAI API
         request = SamplingRequest(
             prompt,
             n=task.group_size,
             max_tokens=sp.max_tokens,
-            temperature=sp.temperature,
+            temperature=1.0 if greedy else sp.temperature,
             top_p=sp.top_p,
             stop_token_ids=stop_ids,
+            greedy=greedy,
             request_id=f"{task.task_id}/{task.attempt}/{self.worker_id}",
         )
         tools = self.tool_sandbox is not None and task.verifier.kind == "terminal"

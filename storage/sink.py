@@ -29,11 +29,11 @@ import structlog
 from conveyor.config import SinkConfig
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import RetryableError
-from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ServiceClients
+from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, Delivery, ServiceClients, Subscriber
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
-from storage.lake import write_parts
+from storage.lake import table_from_rows, write_parts
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +59,7 @@ class StorageSink:
         self.give_up_after_s = cfg.give_up_after_s
         self.max_inflight = cfg.max_inflight
         self.rows_written = 0
+        self.rows_dead_lettered = 0
         self.retries = 0
         self.first_record_at: float | None = None  # monotonic: first record polled (throughput figures)
         self.last_flush_at: float | None = None
@@ -95,8 +96,7 @@ class StorageSink:
                     if buffer and (due or (stopping and not got)):
                         while len(inflight) >= self.max_inflight:
                             await settle_oldest()
-                        rows = [d.message for d in buffer]
-                        inflight.append((asyncio.create_task(self._flush_until_stored(rows)), buffer))
+                        inflight.append((asyncio.create_task(self._flush_until_stored(sub, buffer)), buffer))
                         buffer = []
                     while inflight and inflight[0][0].done():
                         await settle_oldest()
@@ -111,8 +111,9 @@ class StorageSink:
                     if not task.done():
                         task.cancel()
 
-    async def _flush_until_stored(self, rows: list[ScoredRollout]) -> None:
+    async def _flush_until_stored(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]) -> None:
         delay, started = 0.25, time.monotonic()
+        rows = [d.message for d in deliveries]
         while True:
             try:
                 parts = await asyncio.to_thread(write_parts, self.store, self.topics.run_id, rows)
@@ -124,8 +125,30 @@ class StorageSink:
                 log.warning("lake_write_retry", rows=len(rows), retry_in_s=round(delay, 2), error=str(exc)[:200])
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.backoff_max_s)
+            except Exception:
+                # Not the store: a row the lake cannot hold. Find the rows that fail on their own,
+                # dead-letter them and store the rest; a failure no single row explains is raised.
+                rows = await self._without_unstorable(sub, deliveries)
+                if len(rows) == len(deliveries):
+                    raise
+                if not rows:
+                    return
         if os.environ.get("CONVEYOR_FAILPOINT") == "sink_after_write":  # chaos tests: die between write and commit
             os.kill(os.getpid(), signal.SIGKILL)
         self.last_flush_at = time.monotonic()
         self.rows_written += sum(p.rows for p in parts)
         log.info("lake_flush", rows=sum(p.rows for p in parts), parts=len(parts))
+
+    async def _without_unstorable(
+        self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]
+    ) -> list[ScoredRollout]:
+        kept = []
+        for d in deliveries:
+            try:
+                await asyncio.to_thread(table_from_rows, [d.message])
+            except Exception as exc:  # noqa: BLE001 - whatever the row does to the writer, it is the row's
+                self.rows_dead_lettered += 1
+                await sub.dead_letter(d, "Unstorable", f"{type(exc).__name__}: {exc}")
+            else:
+                kept.append(d.message)
+        return kept
