@@ -98,9 +98,12 @@ async def through_worker(engine, texts, n, max_tokens, root: Path, *, swap: bool
 
         state = {k: v + 0.01 for k, v in load(model_file.read_bytes()).items()}
         data = save(state)
-        store.put("weights/v1.safetensors", data)
-        ann = WeightsAnnouncement(run_id="bench", version=engine.version + 1, key="weights/v1.safetensors",
-                                  uri="weights/v1.safetensors", sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
+        from conveyor import keys
+
+        key = keys.weights_key("bench", engine.version + 1)
+        store.put(key, data)
+        ann = WeightsAnnouncement(run_id="bench", version=engine.version + 1, key=key, uri=key,
+                                  sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
         wpub = io.publisher(topics.weights)
         t0 = time.perf_counter()
         await (await wpub.publish(ann, "bench"))

@@ -34,6 +34,7 @@ import msgspec
 import structlog
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import worker_process_shutdown
 
 from conveyor.config import RabbitMQBrokerConfig, RedisBrokerConfig, RewardConfig, RunConfig
 from conveyor.contracts import Task
@@ -62,6 +63,17 @@ def _worker_sandbox(reward: RewardConfig):
             _sandbox = Sandbox.from_config(reward, parallel=1, warm=True)
             log.info("worker_sandbox_ready", pid=os.getpid(), cgroups=_sandbox.cgroup_version)
         return _sandbox
+
+
+def _close_worker_sandbox(**_kw) -> None:
+    """Celery ends a pool process with ``os._exit`` right after ``worker_process_shutdown``: no
+    finalizer runs, so the sandbox's directories are removed here (pool processes are recycled
+    every few seconds under load)."""
+    global _sandbox
+    with _sandbox_lock:
+        if _sandbox is not None:
+            _sandbox.close()
+            _sandbox = None
 
 
 def verdict_to_dict(v) -> dict[str, Any]:
@@ -135,6 +147,7 @@ def make_app(cfg: RunConfig) -> Celery:
         return verdict_to_dict(v)
 
     app.conveyor_score = score  # type: ignore[attr-defined]
+    worker_process_shutdown.connect(_close_worker_sandbox, weak=False)
     return app
 
 

@@ -129,6 +129,22 @@ def check_weights(data: bytes, expected: dict[str, tuple[int, ...]], *, tied: se
         )
 
 
+def check_finite(data: bytes) -> None:
+    """Raise :class:`WeightsRejected` if a floating-point tensor of ``data`` (safetensors) holds a
+    NaN or an infinity: a policy like that samples garbage or fails every request, and the bucket
+    it comes from is writable by more than the learner. One pass over the weights."""
+    import torch
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+    except Exception as exc:  # noqa: BLE001 - whatever the parser says, the object is not weights
+        raise WeightsRejected(f"not a safetensors object: {exc}") from None
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise WeightsRejected(f"weights hold NaN or infinite values: {bad[:5]}")
+
+
 class BatchingEngine:
     """The async interface over a synchronous batch engine (``generate(prompts, n, ...)``,
     ``load_state_dict``): requests that arrive while a batch runs form the next batch,

@@ -44,6 +44,7 @@ import uuid
 
 import structlog
 
+from conveyor import keys
 from conveyor.admission import AdmissionLedger, admissible
 from conveyor.contracts import (
     LearnerProgress,
@@ -68,6 +69,7 @@ from rollout_workers.engine import (
     Completion,
     SamplingRequest,
     WeightsRejected,
+    check_finite,
     cut_at_stop_strings,
     stop_rules,
 )
@@ -296,7 +298,11 @@ class RolloutWorker:
     async def _swap(self, ann: WeightsAnnouncement) -> bool:
         started = time.monotonic()
         try:
+            if ann.run_id != self.topics.run_id or keys.weights_key(ann.run_id, ann.version) != ann.key:
+                # Only the learner's own key for that version: never a path another role chose.
+                raise WeightsRejected(f"announcement names {ann.key!r}, not this run's weights of version {ann.version}")
             data = await asyncio.to_thread(self.store.get, ann.key, sha256=ann.sha256)
+            await asyncio.to_thread(check_finite, data)
             await self.engine.swap(data, ann.version)
         except (ObjectNotFound, ChecksumMismatch, WeightsRejected, ObjectStoreUnavailable) as exc:
             # The next announcement is tried afresh; until then the current version serves.

@@ -35,7 +35,9 @@ What it protects against (each claim has a test in
   the namespace (``kill(-1)`` from pid 1: no daemon survives it) and reaps
   them, then unmounts the job's tmpfs directories, all before the job's
   status is reported; its System V IPC objects go with its IPC namespace;
-  the batch's cgroup is removed; nothing is mounted on the host.
+  the batch's cgroup is removed; nothing is mounted on the host. The
+  sandbox's own directories on the host go on every exit, a killed
+  process's with the next sandbox's start (``sandbox/tempdirs.py``).
 - Tests: the sandbox writes them under ``/t``, which every job sees as an
   empty read-only directory; the supervisor reads a job's tests (through a
   descriptor it opened before hiding ``/t``) and hands them to the model
@@ -67,7 +69,6 @@ import os
 import select
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -79,7 +80,8 @@ from typing import Literal
 import structlog
 
 from conveyor.config import RewardConfig
-from sandbox import cgroups
+from sandbox import cgroups, tempdirs
+from sandbox.images import normalise_roots
 from sandbox.seccomp import filter_bpf
 from sandbox.workspace import Workspace
 
@@ -156,6 +158,7 @@ class Sandbox:
         parallel: int | None = None,
         cgroups_mode: Literal["auto", "required", "off"] = "auto",
         warm: bool = False,
+        image_roots: Sequence[str] = (),
     ) -> None:
         from conveyor.binaries import BinaryMissing, bwrap_binary
 
@@ -173,9 +176,19 @@ class Sandbox:
         self._warm_proc: subprocess.Popen | None = None
         self._warm_cg: cgroups.Cgroup | None = None
         self._warm_buf = b""
-        self._dir = Path(tempfile.mkdtemp(prefix="conveyor-sandbox-"))
+        self.image_roots = normalise_roots(image_roots)  # where a task's workspace image may lie
+        tempdirs.sweep()  # the directories of sandboxes whose process was killed
+        self._tmp = tempdirs.ProcessDir("run", owner=self)
+        self._dir = self._tmp.path
         self._bpf = self._dir / "seccomp.bpf"
         self._warm_tests = self._dir / "warm-tests"
+        try:
+            self._set_up(cgroups_mode)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, cgroups_mode: str) -> None:
         try:
             self._bpf.write_bytes(filter_bpf())
         except (ImportError, OSError, RuntimeError) as exc:
@@ -203,7 +216,7 @@ class Sandbox:
             tmp_mb=reward.tmp_mb,
             nproc=reward.nproc,
         )
-        return cls(limits, parallel=parallel, cgroups_mode=reward.cgroups, warm=warm)
+        return cls(limits, parallel=parallel, cgroups_mode=reward.cgroups, warm=warm, image_roots=reward.image_roots)
 
     def _argv(self, tests_dir: Path | None, workspace: Workspace | None) -> list[str]:
         argv = [
@@ -423,4 +436,4 @@ class Sandbox:
     def close(self) -> None:
         with self._warm_lock:
             self._stop_warm()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._tmp.close()

@@ -22,10 +22,11 @@ to go on.
 from __future__ import annotations
 
 import shutil
-import tempfile
 import threading
 import uuid
 from pathlib import Path
+
+from sandbox import tempdirs
 
 
 class WorkspaceError(RuntimeError):
@@ -37,7 +38,13 @@ class Workspace:
         self.base = Path(base).resolve() if base is not None else None
         if self.base is not None and not self.base.is_dir():
             raise WorkspaceError(f"workspace base {self.base} is not a directory")
-        self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="cvws-"))
+        # Without a root given, the workspace owns one (removed by close, or at the latest at exit).
+        self._own: tempdirs.ProcessDir | None = None
+        if root:
+            self.root = Path(root)
+        else:
+            self._own = tempdirs.ProcessDir("ws", owner=self)
+            self.root = self._own.path
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_layers = max_layers
         self._empty = self.root / "e"  # the lowest layer when there is no base
@@ -106,6 +113,8 @@ class Workspace:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._own is not None:
+            self._own.close()
 
     def __enter__(self) -> Workspace:
         return self

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 import shlex
-import tempfile
 from pathlib import Path
 
 from conveyor.contracts import Task, ToolCall
+from sandbox import tempdirs
 from sandbox.runner import Job, Sandbox
 from sandbox.workspace import Workspace
 from tasks.verifiers import code_of, terminal_base
@@ -62,8 +62,8 @@ class ToolEpisode:
 
     def __init__(self, sandbox: Sandbox, task: Task) -> None:
         self.sandbox = sandbox
-        self._tmp = tempfile.TemporaryDirectory(prefix="cvtool-")
-        base = terminal_base(task, Path(self._tmp.name))
+        self._tmp = tempdirs.temporary("tool")
+        base = terminal_base(task, Path(self._tmp.name), sandbox.image_roots)
         self.workspace = Workspace(base, root=Path(self._tmp.name) / "ws")
         self.kept: list[str] = []
 

@@ -23,8 +23,9 @@ Each kind reads its own payload from ``task.verifier.data``:
     normalised. No sandbox.
 ``terminal``
     ``files`` (initial workspace: path -> content) and/or ``image`` (a base
-    directory on the reward worker), ``checks`` (Python source, run in the
-    workspace after the commands, ``style`` as above), ``reward`` as above.
+    directory on the reward worker, inside ``reward.image_roots``),
+    ``checks`` (Python source, run in the workspace after the commands,
+    ``style`` as above), ``reward`` as above.
     The completion is a shell script (last fenced block when it has one),
     run with ``/bin/sh -e`` in the workspace.
 ``tool_call``
@@ -45,7 +46,6 @@ import logging
 import math
 import re
 import shutil
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +53,8 @@ from fractions import Fraction
 from pathlib import Path
 
 from conveyor.contracts import Feedback, Task
+from sandbox import tempdirs
+from sandbox.images import ImageNotAllowed, resolve_image
 from sandbox.runner import ExecResult, Job, Sandbox
 from sandbox.workspace import Workspace
 from tasks import registry
@@ -282,13 +284,17 @@ def _python_tests_job(task: Task, completion: str) -> Job:
     return Job(code, tests=data["tests"], test_style=data.get("style", "assert"))
 
 
-def terminal_base(task: Task, tmp: Path) -> Path:
+def terminal_base(task: Task, tmp: Path, image_roots: Sequence[str] = ()) -> Path:
+    """The workspace's base tree; an ``image`` must lie inside ``image_roots`` (``sandbox/images.py``)."""
     data = task.verifier.data
     image, files = data.get("image"), data.get("files") or {}
-    if image and not Path(image).is_dir():
-        raise VerifierError(f"task {task.task_id}: image {image!r} is not a directory on this worker")
+    if image:
+        try:
+            image = resolve_image(image, image_roots)
+        except ImageNotAllowed as exc:
+            raise VerifierError(f"task {task.task_id}: {exc}") from None
     if image and not files:
-        return Path(image)  # read-only lower layer: never copied, never written
+        return image  # read-only lower layer: never copied, never written
     base = tmp / "base"
     if image:
         shutil.copytree(image, base, symlinks=True)
@@ -307,8 +313,8 @@ def _terminal(sandbox: Sandbox, task: Task, completion: str) -> Verdict:
     data = task.verifier.data
     if not isinstance(data.get("checks"), str):
         raise VerifierError(f"task {task.task_id}: terminal needs data.checks (source)")
-    with tempfile.TemporaryDirectory(prefix="cvterm-") as tmp:
-        base = terminal_base(task, Path(tmp))
+    with tempdirs.temporary("term") as tmp:
+        base = terminal_base(task, Path(tmp), sandbox.image_roots)
         with Workspace(base, root=Path(tmp) / "ws") as ws:
             script = code_of(completion)
             commands, checks = sandbox.run(

@@ -81,7 +81,10 @@ def test_terminal_task_checks_the_resulting_state(sandbox):
     assert broken.reward == 0.0 and "exited 1" in broken.feedback.text
 
 
-def test_terminal_task_on_an_image_leaves_the_image_alone(sandbox, tmp_path):
+def test_terminal_task_on_an_image_leaves_the_image_alone(sandbox, tmp_path, monkeypatch):
+    from sandbox.images import normalise_roots
+
+    monkeypatch.setattr(sandbox, "image_roots", normalise_roots([tmp_path]))  # images only from reward.image_roots
     (tmp_path / "keep.txt").write_text("x")
     [v] = score(sandbox, (T("terminal", image=str(tmp_path), checks="import os\nassert not os.path.exists('/workspace/keep.txt')\n",
                             style="assert"), "rm keep.txt\n"))  # fmt: skip

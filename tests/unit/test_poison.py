@@ -301,3 +301,34 @@ def test_an_update_with_a_non_finite_gradient_is_dropped(tmp_path):
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_worker_refuses_weights_from_elsewhere_and_weights_of_nans(tmp_path, model_dir):
+    import hashlib
+
+    from safetensors.torch import load, save
+
+    from conveyor import keys
+    from conveyor.contracts import WeightsAnnouncement
+    from rollout_workers.reference_engine import ReferenceEngine
+    from rollout_workers.worker import RolloutWorker
+
+    store = LocalObjectStore(tmp_path / "o")
+    worker = RolloutWorker(MemoryTransport(), Topics("r"), ReferenceEngine(model_dir, seed=0), store, learner_batch_samples=8)
+    state = load(next(model_dir.glob("*.safetensors")).read_bytes())
+
+    def announce(version: int, key: str, tensors: dict) -> bool:
+        data = save(tensors)
+        if ".." not in key:  # the store refuses such a key itself; the worker must not even ask
+            store.put(key, data)
+        ann = WeightsAnnouncement(run_id="r", version=version, key=key, uri=key, sha256=hashlib.sha256(data).hexdigest())
+        return asyncio.run(worker._swap(ann))
+
+    poisoned = {k: v.clone() for k, v in state.items()}
+    next(iter(poisoned.values())).view(-1)[0] = float("nan")
+    assert not announce(1, "runs/r/weights/../../other/v000001/model.safetensors", state)
+    assert not announce(1, keys.weights_key("other-run", 1), state)
+    assert not announce(1, keys.weights_key("r", 1), poisoned)
+    assert worker.swaps_refused == 3 and worker.engine.version == 0
+    assert announce(2, keys.weights_key("r", 2), state)  # and a good one is still taken
+    assert worker.engine.version == 2

@@ -11,6 +11,7 @@ import hashlib
 import msgspec
 import pytest
 
+from conveyor import keys
 from conveyor.contracts import Rollout, WeightsAnnouncement
 from conveyor.messaging import ServiceClients
 from conveyor.objectstore import LocalObjectStore
@@ -53,7 +54,7 @@ async def _pipeline(tmp_path, engine, *, n_tasks=6, announce=(), max_inflight=4,
             await (await pub.publish(task, f"t{i}"))
         wpub = io.publisher(topics.weights)
         for version, data, sha in announce:
-            key = f"weights/v{version}.safetensors"
+            key = keys.weights_key("r", version)
             store.put(key, data)
             ann = WeightsAnnouncement(
                 run_id="r", version=version, key=key, uri=key, sha256=sha or hashlib.sha256(data).hexdigest()
