@@ -3,48 +3,72 @@
     POST /v1/runs                      {"run_id": "..."}            -> 201: the run's topics exist
     POST /v1/runs/{run_id}/tasks       {"tasks": [TaskIn, ...]}     -> 202: every task is on the tasks topic
     GET  /v1/runs/{run_id}/status                                   -> 200: accepted here, learner progress
-    GET  /healthz, GET /metrics (Prometheus)
+    GET  /healthz, GET /metrics (Prometheus)                           open: no token needed
 
-A 2xx is sent only after the broker acknowledged every task of the request
-(``acks=all`` on Kafka), so nothing accepted is ever lost; a request that
-fails half way answers 503 and the client retries — give tasks a
-``task_id`` to make retries idempotent downstream (rollout ids derive from
-it). Invalid requests answer 422 naming the field (``loc``) and the reason;
-an unknown run answers 404.
+Every route but the open two needs ``Authorization: Bearer <token>`` when tokens are configured
+(``producers/api_guard.py``: tokens, rate limit, body cap, errors). A 2xx is sent only after the
+broker acknowledged every task of the request (``acks=all`` on Kafka), so nothing accepted is
+ever lost; a request that fails half way answers 503 and the client retries — give tasks a
+``task_id`` to make retries idempotent downstream (rollout ids derive from it).
+
+A request that can never succeed answers a 4xx whose ``detail`` lists each bad field (``loc``)
+and why (``producers/api_limits.py``): 401 no or wrong token, 404 unknown run, 413 too large,
+422 invalid, 429 too many requests (``Retry-After``). A 5xx means: retry the same request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
-from fastapi import FastAPI, HTTPException, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
-from conveyor.contracts import ChatMessage, LearnerProgress, SamplingParams, Task, VerifierSpec, decode
+from conveyor.config import ProducerConfig
+from conveyor.contracts import ChatMessage, SamplingParams, Task, VerifierSpec
 from conveyor.messaging import Publisher
 from conveyor.topics import Topics, validate_run_id
 from conveyor.transport.base import Transport
+from producers.api_guard import Guard
+from producers.api_limits import (
+    MAX_ERRORS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    BodyRejected,
+    TokenBucket,
+    error,
+    parse_json,
+    resolved_roots,
+    task_errors,
+)
+from producers.api_runs import ProgressReaders, RunDirectory
 from tasks import registry
 
 log = structlog.get_logger(__name__)
 
+_OFF_LOOP_BYTES = 256 << 10
+
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON's types as they are ("4" is not a group size, true is not a priority)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class MessageIn(_In):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
-    name: str | None = None
+    name: str | None = Field(None, max_length=200)
 
 
 class VerifierIn(_In):
-    kind: str
+    kind: str = Field(max_length=100)
     data: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("kind")
@@ -57,9 +81,13 @@ class VerifierIn(_In):
 
 class SamplingIn(_In):
     temperature: float = Field(1.0, ge=0, le=10)
+    """0: greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(512, ge=1, le=1_000_000)
-    stop: list[str] = Field(default_factory=list)
+    max_tokens: int = Field(512, ge=1)
+    """At most the run's engine limit (``producer.max_tokens_limit``, checked against the config)."""
+    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP
+    )
     seed: int | None = None
 
 
@@ -68,7 +96,7 @@ class TaskIn(_In):
     prompt: str | None = Field(None, min_length=1)
     messages: list[MessageIn] | None = Field(None, min_length=1)
     verifier: VerifierIn
-    group_size: int | None = Field(None, ge=1, le=1024)
+    group_size: int | None = Field(None, ge=1)
     sampling: SamplingIn | None = None
     split: Literal["train", "heldout"] = "train"
     priority: int = 0
@@ -86,12 +114,33 @@ class SubmitIn(_In):
 
 
 class RunIn(_In):
-    run_id: str
+    run_id: str = Field(max_length=200)
 
     @field_validator("run_id")
     @classmethod
     def _valid(cls, v: str) -> str:
         return validate_run_id(v)
+
+
+In = TypeVar("In", bound=_In)
+
+
+async def read_json(request: Request) -> Any:
+    """The request's body as strict JSON (see api_limits.parse_json); 422 naming each bad value."""
+    raw = await request.body()
+    try:
+        # A large body takes a fraction of a second to check: off the event loop, so health probes
+        # and other requests are still answered meanwhile.
+        return parse_json(raw) if len(raw) < _OFF_LOOP_BYTES else await asyncio.to_thread(parse_json, raw)
+    except BodyRejected as exc:
+        raise RequestValidationError(exc.errors) from None
+
+
+def validated(model: type[In], obj: Any) -> In:
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()[:MAX_ERRORS]]) from None
 
 
 def to_task(t: TaskIn, run_id: str, default_group_size: int) -> Task:
@@ -109,17 +158,64 @@ def to_task(t: TaskIn, run_id: str, default_group_size: int) -> Task:
     )
 
 
-def create_app(transport: Transport, *, partitions: int = 4, default_group_size: int = 8, max_batch: int = 1000) -> FastAPI:
+def create_app(
+    transport: Transport,
+    producer: ProducerConfig | None = None,
+    *,
+    partitions: int = 4,
+    default_group_size: int | None = None,
+    max_batch: int | None = None,
+    tokens: Sequence[str] = (),
+    max_tokens: int | None = None,
+) -> FastAPI:
+    """The API over ``transport``, limited by ``producer`` (a ProducerConfig; its defaults when None).
+
+    ``default_group_size`` and ``max_batch`` override the section's ``group_size`` and ``max_batch``;
+    ``tokens`` are the bearer tokens (none: no authentication, which :func:`producers.build.build_api`
+    allows on loopback only); ``max_tokens`` caps ``sampling.max_tokens`` (default
+    ``producer.max_tokens_limit``)."""
+    pc = producer or ProducerConfig(suite=None)
+    overrides = {k: v for k, v in (("group_size", default_group_size), ("max_batch", max_batch)) if v is not None}
+    pc = pc.model_copy(update=overrides) if overrides else pc
+    max_tokens = max_tokens or pc.max_tokens_limit
+    roots = resolved_roots(pc.image_roots)
+    runs, progress = RunDirectory(transport), ProgressReaders(transport)
+    responses: Counter = Counter()
     state: dict[str, Any] = {"producer": None, "accepted": {}}
     lock = asyncio.Lock()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
+        await progress.close()
         if state["producer"] is not None:
             await state["producer"].close()
 
     app = FastAPI(title="Conveyor producer", version="1", lifespan=lifespan)
+    bucket = TokenBucket(pc.rate_limit_per_s, pc.rate_limit_burst) if pc.rate_limit_per_s else None
+    app.add_middleware(Guard, tokens=tokens, bucket=bucket, max_body_bytes=pc.max_body_bytes, counts=responses)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Only loc, msg and type: FastAPI's default echoes the input, which may be megabytes, or
+        # text (a lone surrogate) that cannot be rendered as JSON at all.
+        return JSONResponse({"detail": [error(e["loc"], e["msg"], e["type"]) for e in exc.errors()]}, status_code=422)
+
+    async def on_broker(what: str, work):
+        try:
+            return await work
+        except Exception as exc:  # noqa: BLE001 - the client retries; the detail is for the log only
+            log.error("api.broker_failed", what=what, error=str(exc)[:300])
+            raise HTTPException(503, detail=f"the broker did not answer ({what}); retry") from None
+
+    async def known_run(run_id: str) -> None:
+        try:
+            validate_run_id(run_id)
+        except ValueError as exc:
+            raise HTTPException(422, detail=[error(["path", "run_id"], str(exc), "value_error")]) from None
+        if not await on_broker("list topics", runs.exists(run_id)):
+            msg = f"run {run_id!r} does not exist: POST /v1/runs first"
+            raise HTTPException(404, detail=[error(["path", "run_id"], msg, "not_found")])
 
     async def producer():
         async with lock:
@@ -129,64 +225,58 @@ def create_app(transport: Transport, *, partitions: int = 4, default_group_size:
                 state["producer"] = p
             return state["producer"]
 
-    async def run_exists(run_id: str) -> bool:
-        return Topics(run_id).tasks in await transport.list_topics()
-
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"ok": True}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
         reg = CollectorRegistry()
         g = Gauge("conveyor_api_tasks_accepted", "Tasks accepted over HTTP", ["run"], registry=reg)
         for run, n in state["accepted"].items():
             g.labels(run).set(n)
+        c = Counter("conveyor_api_responses", "HTTP responses by status (401, 413, 422, 429: refusals)", ["status"], registry=reg)
+        for code, n in responses.items():
+            c.labels(str(code)).inc(n)
         return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/runs", status_code=201)
-    async def create_run(body: RunIn) -> dict:
+    async def create_run(request: Request) -> dict:
+        body = validated(RunIn, await read_json(request))
         topics = Topics(body.run_id)
-        await transport.create_topics(topics.specs(partitions))
+        await on_broker("create topics", transport.create_topics(topics.specs(partitions)))
+        runs.add(body.run_id)
         return {"run_id": body.run_id, "topics": [s.name for s in topics.specs(partitions)]}
 
     @app.post("/v1/runs/{run_id}/tasks", status_code=202)
-    async def submit(run_id: str, body: SubmitIn) -> dict:
-        try:
-            validate_run_id(run_id)
-        except ValueError as exc:
-            raise HTTPException(422, detail=[{"loc": ["path", "run_id"], "msg": str(exc), "type": "value_error"}]) from None
-        if len(body.tasks) > max_batch:
-            raise HTTPException(413, detail=[{"loc": ["body", "tasks"], "msg": f"at most {max_batch} tasks per request",
-                                              "type": "too_long"}])  # fmt: skip
-        if not await run_exists(run_id):
-            raise HTTPException(404, detail=f"run {run_id!r} does not exist: POST /v1/runs first")
-        tasks = [to_task(t, run_id, default_group_size) for t in body.tasks]
-        pub: Publisher[Task] = Publisher(await producer(), Topics(run_id).tasks)
-        try:
+    async def submit(run_id: str, request: Request) -> dict:
+        obj = await read_json(request)
+        if isinstance(obj, dict) and isinstance(obj.get("tasks"), list) and len(obj["tasks"]) > pc.max_batch:
+            # before validation: a batch of 100,000 small tasks is refused without validating each
+            msg = f"at most {pc.max_batch} tasks per request (producer.max_batch)"
+            raise HTTPException(413, detail=[error(["body", "tasks"], msg, "too_long")])
+        body = validated(SubmitIn, obj)
+        errors = [e for i, t in enumerate(body.tasks) for e in task_errors(t, ["body", "tasks", i], pc, max_tokens, roots)]
+        if errors:
+            raise HTTPException(422, detail=errors[:MAX_ERRORS])
+        await known_run(run_id)
+        tasks = [to_task(t, run_id, pc.group_size) for t in body.tasks]
+        pub: Publisher[Task] = Publisher(await on_broker("start producer", producer()), Topics(run_id).tasks)
+
+        async def publish_all() -> None:
             futures = [await pub.publish(t, t.task_id) for t in tasks]
             await asyncio.gather(*futures)  # the 2xx waits for the broker's acknowledgement of every task
-        except Exception as exc:  # noqa: BLE001 - the client must retry; nothing was promised
-            log.error("api.submit_failed", run_id=run_id, error=str(exc)[:300])
-            raise HTTPException(503, detail=f"the broker did not acknowledge the tasks: {exc}; retry") from None
+
+        await on_broker("acknowledge the tasks", publish_all())
         state["accepted"][run_id] = state["accepted"].get(run_id, 0) + len(tasks)
         return {"accepted": len(tasks), "task_ids": [t.task_id for t in tasks]}
 
     @app.get("/v1/runs/{run_id}/status")
     async def status(run_id: str) -> dict:
-        if not await run_exists(run_id):
-            raise HTTPException(404, detail=f"run {run_id!r} does not exist")
-        consumer = transport.consumer([Topics(run_id).progress], f"api-status-{uuid.uuid4().hex[:8]}")
-        await consumer.start()
-        latest = None
-        try:
-            for _ in range(3):
-                for rec in await consumer.getmany(timeout_s=0.2, max_records=10_000):
-                    latest = decode(rec.value, LearnerProgress)
-        finally:
-            await consumer.close()
+        await known_run(run_id)
+        latest = await on_broker("read progress", progress.latest(run_id))
         learner = None if latest is None else {"samples_consumed": latest.samples_consumed, "policy_version": latest.policy_version,
                                                 "step": latest.step}  # fmt: skip
         return {"run_id": run_id, "tasks_accepted_here": state["accepted"].get(run_id, 0), "learner": learner}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from conveyor.config import RunConfig
 from conveyor.contracts import Task
+from conveyor.errors import ConfigError
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -59,14 +60,40 @@ def build(cfg: RunConfig, transport: Transport, topics: Topics, store: ObjectSto
     )
 
 
-def build_api(cfg: RunConfig, transport: Transport):
-    """The producer's HTTP API (a FastAPI app) for this run config."""
-    from producers.api import create_app
+def api_tokens(cfg: RunConfig) -> list[str]:
+    """The HTTP API's bearer tokens, after the start-up checks: ConfigError when ``producer.http_host``
+    is reachable beyond loopback and no token is configured (``producer.api_tokens_env``), or when a
+    body the API accepts could make a task larger than the broker accepts. Call it before opening
+    the transport, so a bad config exits 2 at once."""
+    from producers.api_guard import api_tokens as tokens_in_env
+    from producers.api_guard import require_tokens_off_loopback
 
     pc = cfg.producer
+    tokens = tokens_in_env(pc)
+    require_tokens_off_loopback(pc, tokens)
+    broker_limit = getattr(cfg.transport, "max_request_bytes", None)
+    if broker_limit is not None and pc.max_body_bytes > broker_limit - (64 << 10):
+        raise ConfigError(
+            f"producer.max_body_bytes ({pc.max_body_bytes}) must stay 64 KiB below transport.max_request_bytes "
+            f"({broker_limit}): one submitted task could otherwise be too large to publish"
+        )
+    return tokens
+
+
+def build_api(cfg: RunConfig, transport: Transport):
+    """The producer's HTTP API (a FastAPI app) for this run config; raises ConfigError as
+    :func:`api_tokens` does."""
+    from producers.api import create_app
+
+    tokens = api_tokens(cfg)
+    pc = cfg.producer
+    if not pc.image_roots and cfg.reward.image_roots:  # the reward workers' own allow-list
+        pc = pc.model_copy(update={"image_roots": cfg.reward.image_roots})
+    engine_limit = cfg.rollout.vllm.max_model_len  # prompt and completion share it
     return create_app(
         transport,
+        pc,
         partitions=getattr(cfg.transport, "partitions", 4),
-        default_group_size=pc.group_size,
-        max_batch=pc.max_batch,
+        tokens=tokens,
+        max_tokens=min(pc.max_tokens_limit, engine_limit) if engine_limit else pc.max_tokens_limit,
     )

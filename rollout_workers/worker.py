@@ -196,6 +196,13 @@ class RolloutWorker:
         than every ticket known now."""
         waiting.sort(key=lambda e: self.ledger.ticket(_key(e[0].message)) or float("inf"))
         started = []
+        # A task refused on its face generates nothing, so admission does not hold it back: a group
+        # larger than the whole admission window would otherwise wait for ever, and every task
+        # behind it too.
+        for entry in [e for e in waiting if self._refusal(e[0].message) is not None]:
+            waiting.remove(entry)
+            running[asyncio.create_task(self._sample_or_refuse(entry[0]))] = entry
+            started.append(entry)
         while waiting and len(running) < self.max_inflight_tasks:
             ticket = self.ledger.ticket(_key(waiting[0][0].message))
             if ticket is None or not admissible(ticket, self.consumed, self.bound):
@@ -325,7 +332,7 @@ class RolloutWorker:
         its dead letter and ``error`` rollouts. An engine failure still ends the worker."""
         task = delivery.message
         sp = task.sampling or self.default_sampling
-        reason = refusal(task, sp, self.ledger.claims(_key(task)), self.limits)
+        reason = self._refusal(task)
         if reason is None:
             try:
                 return await self._sample(task, sp)
@@ -335,6 +342,9 @@ class RolloutWorker:
         log.warning("rollout_worker.task_refused", task_id=task.task_id, attempt=task.attempt, reason=reason[:300])
         await self._tasks.dead_letter(delivery, "TaskRefused", reason)
         return error_rollouts(task, reason, self.engine.version)
+
+    def _refusal(self, task: Task) -> str | None:
+        return refusal(task, task.sampling or self.default_sampling, self.ledger.claims(_key(task)), self.limits)
 
     async def _sample(self, task: Task, sp: SamplingParams) -> list[Rollout]:
         started = time.time()

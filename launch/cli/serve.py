@@ -375,6 +375,8 @@ def producer(config: Path = CONFIG) -> None:
     pc = cfg.producer
     try:
         source = build.task_source(cfg)  # the data files are read and checked before anything starts
+        if pc.http_port is not None:
+            build.api_tokens(cfg)  # an API beyond loopback without tokens is refused before anything starts
     except ConfigError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

@@ -77,7 +77,13 @@ def test_values_users_change(helm):
     assert learner["resources"]["requests"]["nvidia.com/gpu"] == learner["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert not [k for k in objs if k[0] in ("ScaledObject", "PodMonitor")]
     assert ("Secret", "conveyor-s3") not in objs
-    assert container(objs, "Deployment", "producer")["envFrom"] == [{"secretRef": {"name": "team-s3"}}]
+    assert container(objs, "Deployment", "producer")["envFrom"] == [
+        {"secretRef": {"name": "team-s3"}},
+        {"secretRef": {"name": "conveyor-api"}},
+    ]
+    assert container(objs, "Deployment", "reward-bridge")["envFrom"] == [
+        {"secretRef": {"name": "team-s3"}}
+    ]  # the API's tokens go to the producer only
     assert objs[("Deployment", "reward-worker")]["spec"]["replicas"] == 12
     assert "run_id: exp-7" in objs[("ConfigMap", "conveyor-run")]["data"]["run.yaml"]
     cpu_role = objs[("Deployment", "reward-bridge")]["spec"]["template"]["spec"]

@@ -55,6 +55,12 @@ spec:
     envFrom:
     - secretRef:
         name: {{ include "conveyor.s3Secret" $root }}
+    {{- if eq $name "producer" }}
+    # The HTTP API's bearer tokens (CONVEYOR_API_TOKENS): the producer refuses to serve beyond
+    # loopback without them. Create the Secret yourself (docs/OPERATIONS.md); it is never rendered.
+    - secretRef:
+        name: {{ $root.Values.api.tokensSecret }}
+    {{- end }}
     ports:
     - name: metrics
       containerPort: {{ $root.Values.metricsPort }}
