@@ -23,13 +23,29 @@ def configure_logging(
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     lvl = logging.getLevelName(level.upper())
-    logging.basicConfig(format="%(message)s", stream=sys.stderr, level=lvl, force=True)
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    # Libraries log through the standard library (aiokafka, botocore, celery, uvicorn): their lines
+    # go through the same renderer, so a JSON log stream stays JSON lines, with the logger's name.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
+    logging.basicConfig(handlers=[handler], level=lvl, force=True)
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *shared,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             renderer,

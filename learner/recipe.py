@@ -41,9 +41,11 @@ from pathlib import Path
 
 import structlog
 
+from conveyor import keys
 from conveyor.admission import AdmissionLedger
 from conveyor.config import LearnerConfig
 from conveyor.contracts import ScoredRollout
+from conveyor.errors import ConfigError
 from conveyor.messaging import ServiceClients, Subscriber
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
@@ -131,6 +133,8 @@ class GRPOLearner:
             self.publication.connect(io.publisher(self.topics.weights), io.publisher(self.topics.progress))
             if self.config.checkpoint_every:
                 await asyncio.to_thread(self.resume)
+            elif self.source is None:
+                await asyncio.to_thread(self._refuse_to_restart_without_checkpoints)
             if self.admission_bound and self.source is None:
                 ledger = await AdmissionLedger.open(io, self.topics, f"learner-{uuid.uuid4().hex[:8]}")
                 await ledger.catch_up()
@@ -150,6 +154,17 @@ class GRPOLearner:
             with (self.run_dir / "metrics.jsonl").open("a") as self._metrics:
                 await self._loop(stop, sub)
         await asyncio.to_thread(self.close)
+
+    def _refuse_to_restart_without_checkpoints(self) -> None:
+        """Without checkpoints, offsets are committed every step: a learner started again on a run
+        that already trained would take up the stream where its predecessor stopped, from the
+        initial policy, and publish versions that already exist."""
+        published = next(iter(self.store.list(keys.weights_prefix(self.topics.run_id))), None)
+        if published is not None:
+            raise ConfigError(
+                f"run {self.topics.run_id!r} already has published weights ({published.key}) and learner.checkpoint_every "
+                "is 0: a learner cannot resume without checkpoints; start a new run_id, or set checkpoint_every >= 1"
+            )
 
     def close(self) -> None:
         """Stop the trainer: the step process, if any (the model here keeps the last weights), or

@@ -39,7 +39,7 @@ def _load(config: Path, role: str):
     except registry.RegistryError as exc:
         typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    if cfg.metrics.port is not None:
+    if cfg.metrics.port is not None and os.environ.get("RANK", "0") == "0":  # one port per pod: torchrun's rank 0
         from conveyor.metrics import enable_process_metrics
 
         enable_process_metrics(cfg.metrics.port)  # /metrics: messages published/consumed/dead-lettered per topic
@@ -95,6 +95,7 @@ async def _trace_memory() -> None:
 def _run_service(cfg, build, *, with_store: bool = True) -> None:
     """Open the config's transport (and object store), ``build(transport, topics, store)`` the
     service, run it until SIGTERM/SIGINT, and close the transport."""
+    from conveyor.errors import ConfigError
     from conveyor.objectstore import wait_for_object_store
     from conveyor.runtime import startup_frozen
     from conveyor.topics import Topics
@@ -110,7 +111,11 @@ def _run_service(cfg, build, *, with_store: bool = True) -> None:
         finally:
             await transport.close()
 
-    asyncio.run(_until_signalled(main))
+    try:
+        asyncio.run(_until_signalled(main))
+    except ConfigError as exc:  # refused at start (exit 2: a supervisor does not restart it)
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("reward-worker")

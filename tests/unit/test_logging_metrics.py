@@ -26,6 +26,29 @@ def test_json_logs_carry_bound_context(capsys):
     structlog.contextvars.clear_contextvars()
 
 
+def test_library_log_lines_are_json_lines_too(capsys):
+    """aiokafka, botocore, celery and uvicorn log through the standard library: in a JSON stream
+    their lines are JSON with the service's context and the logger's name, exceptions included."""
+    import logging
+
+    configure_logging("storage-sink", fmt="json", level="info", run_id="r2")
+    logging.getLogger("aiokafka.consumer").warning("heartbeat failed for %s", "group-1")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("botocore").exception("request failed")
+    logging.getLogger("celery").debug("hidden")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(x["logger"], x["event"], x["service"], x["run_id"]) for x in lines] == [
+        ("aiokafka.consumer", "heartbeat failed for group-1", "storage-sink", "r2"),
+        ("botocore", "request failed", "storage-sink", "r2"),
+    ]
+    assert "ValueError: boom" in lines[1]["exception"]
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+    logging.basicConfig(force=True)
+
+
 async def test_transport_metrics_count_what_happened():
     registry = make_registry()
     metrics = TransportMetrics.create(registry)

@@ -332,3 +332,22 @@ def test_a_worker_refuses_weights_from_elsewhere_and_weights_of_nans(tmp_path, m
     assert worker.swaps_refused == 3 and worker.engine.version == 0
     assert announce(2, keys.weights_key("r", 2), state)  # and a good one is still taken
     assert worker.engine.version == 2
+
+
+def test_a_learner_without_checkpoints_refuses_a_run_that_already_trained(tmp_path):
+    """Its predecessor committed offsets every step: starting again from the initial policy would
+    silently train on top of them and publish versions that exist."""
+    from conveyor import keys
+    from conveyor.config import LearnerConfig
+    from conveyor.errors import ConfigError
+    from learner.models import create_tiny_llama
+    from learner.recipe import GRPOLearner
+    from tasks.suites.pyexpr import ALPHABET
+
+    model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0, hidden_size=32, layers=2, heads=2, intermediate_size=64)
+    store = LocalObjectStore(tmp_path / "o")
+    store.put(keys.weights_key("r", 3), b"weights")
+    transport = MemoryTransport()
+    learner = GRPOLearner(transport, Topics("r"), model, tok.pad_token_id, store, LearnerConfig(checkpoint_every=0), run_dir=tmp_path)
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        asyncio.run(learner.run(asyncio.Event()))
