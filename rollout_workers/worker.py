@@ -99,6 +99,7 @@ class RolloutWorker:
         default_sampling: SamplingParams | None = None,
         max_group_size: int = MAX_GROUP_SIZE,
         max_task_claims: int = 5,
+        drain_timeout_s: float = 30.0,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -123,6 +124,7 @@ class RolloutWorker:
             top_p=getattr(self.engine, "supports_top_p", True),
         )
         self.tasks_refused = 0
+        self.drain_timeout_s = drain_timeout_s  # a stop waits this long for the tasks in flight
         self.worker_id = uuid.uuid4().hex[:8]
         self.generated = 0
         """Rollouts published (acknowledged by the broker)."""
@@ -181,8 +183,14 @@ class RolloutWorker:
                         await self._follow(weights, progress, wait_s=0.05)
                 # Drain: what is in flight is finished, published and committed; tasks polled but
                 # never started stay uncommitted (another worker gets them, under their tickets).
+                deadline = time.monotonic() + self.drain_timeout_s
                 while running:
-                    done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    left = deadline - time.monotonic()
+                    done, _ = await asyncio.wait(running, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED)
+                    if not done:  # an engine that stopped answering: what is unfinished stays uncommitted
+                        log.warning("rollout_worker.drain_abandoned", unfinished_tasks=len(running),
+                                    seconds=self.drain_timeout_s)  # fmt: skip
+                        break
                     self._collect(done, running)
                 await self._publish_ready(order, polled_order, publisher, tasks)
             finally:

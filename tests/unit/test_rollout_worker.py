@@ -123,6 +123,21 @@ async def test_an_engine_failure_ends_the_worker_with_nothing_committed(tmp_path
     assert rollouts == [] and committed == 0
 
 
+class _Hanging(BatchingEngine):
+    """An engine whose requests never finish (as vLLM's after its engine process aborted them)."""
+
+    async def generate(self, request):
+        await asyncio.Event().wait()
+
+
+async def test_a_stop_does_not_wait_for_ever_on_an_engine_that_stopped_answering(tmp_path, model_dir):
+    worker, rollouts, committed, error = await _pipeline(
+        tmp_path, _Hanging(ReferenceEngine(model_dir, seed=0)), drain_timeout_s=0.5
+    )
+    assert error is None  # the stop ended the worker; what never finished stays uncommitted
+    assert rollouts == [] and committed == 0
+
+
 async def test_batching_engine_aborts_a_queued_request(model_dir):
     engine = BatchingEngine(ReferenceEngine(model_dir, seed=0))
     prompt = engine.encode("a = [1]\nassert a[0] ==")
