@@ -12,6 +12,7 @@ import sys
 from typing import Literal
 
 import structlog
+from structlog.typing import Processor
 
 
 def configure_logging(
@@ -24,7 +25,7 @@ def configure_logging(
         fmt = "console" if sys.stderr.isatty() else "json"
     lvl = logging.getLevelName(level.upper())
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

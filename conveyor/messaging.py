@@ -2,7 +2,8 @@
 
 Services never touch bytes. A :class:`Publisher` encodes a contract struct
 (and moves it to the object store when it is larger than the claim-check
-threshold); a :class:`Subscriber` decodes, resolves claim checks, and sends
+threshold, ``claim_check:`` in the run config: a message larger than the
+broker accepts would otherwise crash-loop its publisher); a :class:`Subscriber` decodes, resolves claim checks, and sends
 anything it cannot decode to the dead-letter topic *before* its position can
 be committed, so a poison record is neither lost nor blocks the partition.
 
@@ -82,6 +83,13 @@ class ClaimCheck:
         if len(data) != ref.size:
             raise ChecksumMismatch(f"claim {ref.key}: {len(data)} bytes, expected {ref.size}")
         return data
+
+
+def claim_check_for(cfg, store: ObjectStore | None) -> ClaimCheck | None:
+    """The run config's claim check (``claim_check:``) on ``store``; None without a store."""
+    if store is None:
+        return None
+    return ClaimCheck(store, cfg.claim_check.threshold_bytes, cfg.claim_check.key_prefix)
 
 
 class Publisher(Generic[M]):
@@ -264,8 +272,17 @@ class ServiceClients:
     from them, on any Kafka-protocol broker (DescribeGroups is not answered by every one).
     """
 
-    def __init__(self, transport: Transport, dead_letter_topic: str, service: str, *, heartbeats: Topics | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        dead_letter_topic: str,
+        service: str,
+        *,
+        heartbeats: Topics | None = None,
+        claim_check: ClaimCheck | None = None,
+    ) -> None:
         self.transport = transport
+        self.claim_check = claim_check  # every publisher and subscriber's, unless given their own
         self.dead_letter_topic = dead_letter_topic
         self.service = service
         self.producer: Producer = transport.producer()
@@ -313,12 +330,14 @@ class ServiceClients:
         from conveyor.metrics import process_metrics
 
         kwargs.setdefault("metrics", process_metrics())
+        kwargs.setdefault("claim_check", self.claim_check)
         return Publisher(self.producer, topic, **kwargs)
 
     async def subscribe(self, topics: Sequence[str], group_id: str | None, message_type: type[M], **kwargs) -> Subscriber[M]:
         from conveyor.metrics import process_metrics
 
         kwargs.setdefault("metrics", process_metrics())
+        kwargs.setdefault("claim_check", self.claim_check)
         sub = Subscriber(self.transport, topics, group_id, message_type, dead_letters=self.dead_letters, **kwargs)
         await sub.start()
         self._subscribers.append(sub)

@@ -123,7 +123,8 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
     await transport.create_topics(topics.specs(run.transport.partitions))
     producer = producer_build.build(run, transport, topics, None, producer_build.TaskSource(ctx["tasks"]))
     worker = worker_build.build(run, transport, topics, ctx["store"], engine=ctx["engine"])
-    bridge = reward_build.build(run, transport, topics, scorer=LocalScorer(ctx["sandbox"]), decode=ctx["engine"].decode)
+    bridge = reward_build.build(run, transport, topics, scorer=LocalScorer(ctx["sandbox"]), decode=ctx["engine"].decode,
+                                store=ctx["store"])  # fmt: skip
     # The learner's waits stay those for incomplete groups, as the demo's figures are measured.
     learner = learner_build.build(run, transport, topics, ctx["store"], model=ctx["model"], pad_id=ctx["pad_id"],
                                   run_dir=ctx["run_dir"], wait_for_admitted=False)  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conveyor.config import RunConfig
+from conveyor.messaging import claim_check_for
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -62,4 +63,5 @@ def build(
         run_dir=run_dir,
         admission_bound=admission_bound(cfg) if wait_for_admitted else None,
         ranks=ranks,
+        claim_check=claim_check_for(cfg, store),
     )

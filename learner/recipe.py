@@ -46,7 +46,7 @@ from conveyor.admission import AdmissionLedger
 from conveyor.config import LearnerConfig
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import ConfigError
-from conveyor.messaging import ServiceClients, Subscriber
+from conveyor.messaging import ClaimCheck, ServiceClients, Subscriber
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import TopicPartition, Transport
@@ -86,7 +86,9 @@ class GRPOLearner:
         group_id: str | None = None,
         source=None,
         ranks: RankGroup | None = None,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
+        self.claim_check = claim_check  # messages over its threshold travel through the object store
         self.config = config = config if config is not None else LearnerConfig()
         self.transport = transport
         self.topics = topics
@@ -129,7 +131,9 @@ class GRPOLearner:
 
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
-        async with ServiceClients(self.transport, self.topics.dead_letter, "learner", heartbeats=self.topics) as io:
+        async with ServiceClients(
+            self.transport, self.topics.dead_letter, "learner", heartbeats=self.topics, claim_check=self.claim_check
+        ) as io:
             self.publication.connect(io.publisher(self.topics.weights), io.publisher(self.topics.progress))
             if self.config.checkpoint_every:
                 await asyncio.to_thread(self.resume)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from conveyor.config import RunConfig
 from conveyor.contracts import Task
 from conveyor.errors import ConfigError
+from conveyor.messaging import claim_check_for
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -57,6 +58,7 @@ def build(cfg: RunConfig, transport: Transport, topics: Topics, store: ObjectSto
         learner_batch_samples=cfg.learner.batch_groups * cfg.producer.group_size,
         store=store,
         curriculum=source.curriculum,
+        claim_check=claim_check_for(cfg, store),
     )
 
 

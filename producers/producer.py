@@ -24,7 +24,7 @@ import structlog
 from conveyor import keys
 from conveyor.admission import AdmissionLedger
 from conveyor.contracts import ScoredRollout, Task, attempt_key
-from conveyor.messaging import Publisher, ServiceClients
+from conveyor.messaging import ClaimCheck, Publisher, ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 
@@ -41,7 +41,9 @@ class TaskProducer:
         learner_batch_samples: int,
         store=None,
         curriculum=None,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
+        self.claim_check = claim_check  # messages over its threshold travel through the object store
         self.transport = transport
         self.topics = topics
         self.tasks = tasks
@@ -100,7 +102,9 @@ class TaskProducer:
         return self.learner_batch_samples - self.ledger.unclaimed_offered
 
     async def run(self, stop: asyncio.Event) -> None:
-        async with ServiceClients(self.transport, self.topics.dead_letter, "producer", heartbeats=self.topics) as io:
+        async with ServiceClients(
+            self.transport, self.topics.dead_letter, "producer", heartbeats=self.topics, claim_check=self.claim_check
+        ) as io:
             pub: Publisher[Task] = io.publisher(self.topics.tasks)
             self.ledger = await AdmissionLedger.open(io, self.topics, f"producer-{uuid.uuid4().hex[:8]}")
             await self.ledger.catch_up()

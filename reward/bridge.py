@@ -30,7 +30,7 @@ import structlog
 from conveyor.config import BridgeConfig
 from conveyor.contracts import Feedback, Rollout, ScoredRollout, tool_episode_script
 from conveyor.limits import MAX_ABS_REWARD
-from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, Delivery, Publisher, ServiceClients, Subscriber
+from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ClaimCheck, Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 
@@ -60,7 +60,9 @@ class RewardBridge:
         config: BridgeConfig | None = None,
         *,
         group_id: str | None = None,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
+        self.claim_check = claim_check  # messages over its threshold travel through the object store
         cfg = config or BridgeConfig()
         self.transport = transport
         self.topics = topics
@@ -82,7 +84,9 @@ class RewardBridge:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Score until ``stop`` is set and nothing more is waiting."""
-        async with ServiceClients(self.transport, self.topics.dead_letter, "reward-bridge", heartbeats=self.topics) as io:
+        async with ServiceClients(
+            self.transport, self.topics.dead_letter, "reward-bridge", heartbeats=self.topics, claim_check=self.claim_check
+        ) as io:
             publisher: Publisher[ScoredRollout] = io.publisher(self.topics.scored)
             sub = await io.subscribe([self.topics.rollouts], self.group_id, Rollout)
             quiet = 0  # consecutive empty polls once stopping

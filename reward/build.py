@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from conveyor.config import RunConfig
+from conveyor.messaging import claim_check_for
+from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
 from reward.bridge import RewardBridge
@@ -40,5 +42,7 @@ def build(
     *,
     scorer: LocalScorer | CeleryScorer,
     decode: Callable[[list[int]], str],
+    store: ObjectStore | None = None,
 ) -> RewardBridge:
-    return RewardBridge(transport, topics, scorer, decode, cfg.bridge)
+    """``store``: where claim-checked rollouts are read from (and large verdicts written to)."""
+    return RewardBridge(transport, topics, scorer, decode, cfg.bridge, claim_check=claim_check_for(cfg, store))

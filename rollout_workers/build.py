@@ -7,6 +7,7 @@ import structlog
 
 from conveyor.config import RolloutConfig, RunConfig
 from conveyor.contracts import SamplingParams
+from conveyor.messaging import claim_check_for
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -61,4 +62,5 @@ def build(
         default_sampling=SamplingParams(**cfg.sampling.model_dump()),
         max_group_size=cfg.producer.max_group_size,  # the API's limit holds for every source
         max_task_claims=cfg.rollout.max_task_claims,
+        claim_check=claim_check_for(cfg, store),
     )

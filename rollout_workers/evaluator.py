@@ -22,7 +22,7 @@ import structlog
 
 from conveyor import keys
 from conveyor.contracts import Task, WeightsAnnouncement
-from conveyor.messaging import ServiceClients
+from conveyor.messaging import ClaimCheck, ServiceClients
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -47,7 +47,9 @@ class EvaluatorService:
         samples: int | None = None,
         max_tokens: int = 512,
         stop: tuple[str, ...] = (),
+        claim_check: ClaimCheck | None = None,
     ) -> None:
+        self.claim_check = claim_check  # messages over its threshold travel through the object store
         if every < 1:
             raise ValueError("eval.every must be >= 1")
         self.transport, self.topics, self.store = transport, topics, store
@@ -61,7 +63,9 @@ class EvaluatorService:
     async def run(self, stop: asyncio.Event) -> None:
         started = time.monotonic()
         await self.engine.start()
-        async with ServiceClients(self.transport, self.topics.dead_letter, "evaluator", heartbeats=self.topics) as io:
+        async with ServiceClients(
+            self.transport, self.topics.dead_letter, "evaluator", heartbeats=self.topics, claim_check=self.claim_check
+        ) as io:
             await io.transport.create_topics(self.topics.shared_specs())
             weights = await io.subscribe([self.topics.weights], None, WeightsAnnouncement)
             await self._evaluate(started)  # the policy the run starts from

@@ -59,7 +59,7 @@ from conveyor.contracts import (
 )
 from conveyor.errors import ChecksumMismatch
 from conveyor.limits import MAX_GROUP_SIZE
-from conveyor.messaging import Delivery, Publisher, ServiceClients, Subscriber
+from conveyor.messaging import ClaimCheck, Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.metrics import process_rollout_metrics
 from conveyor.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 from conveyor.topics import Topics
@@ -100,7 +100,9 @@ class RolloutWorker:
         max_group_size: int = MAX_GROUP_SIZE,
         max_task_claims: int = 5,
         drain_timeout_s: float = 30.0,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
+        self.claim_check = claim_check  # messages over its threshold travel through the object store
         self.transport = transport
         self.topics = topics
         # A synchronous batch engine (reference) gets the async interface.
@@ -146,7 +148,9 @@ class RolloutWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
-        async with ServiceClients(self.transport, self.topics.dead_letter, "rollout-worker", heartbeats=self.topics) as io:
+        async with ServiceClients(
+            self.transport, self.topics.dead_letter, "rollout-worker", heartbeats=self.topics, claim_check=self.claim_check
+        ) as io:
             publisher: Publisher[Rollout] = io.publisher(self.topics.rollouts)
             # Every worker reads every announcement, progress report and claim: readers in no group
             # (the topics are created here if this worker starts before the producer and the learner).

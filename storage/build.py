@@ -4,6 +4,7 @@ and the tests start."""
 from __future__ import annotations
 
 from conveyor.config import RunConfig
+from conveyor.messaging import claim_check_for
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -11,4 +12,4 @@ from storage.sink import StorageSink
 
 
 def build(cfg: RunConfig, transport: Transport, topics: Topics, store: ObjectStore) -> StorageSink:
-    return StorageSink(transport, topics, store, cfg.sink)
+    return StorageSink(transport, topics, store, cfg.sink, claim_check=claim_check_for(cfg, store))

@@ -29,7 +29,7 @@ import structlog
 from conveyor.config import SinkConfig
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import RetryableError
-from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, Delivery, ServiceClients, Subscriber
+from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ClaimCheck, Delivery, ServiceClients, Subscriber
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import Transport
@@ -47,7 +47,9 @@ class StorageSink:
         config: SinkConfig | None = None,
         *,
         group_id: str | None = None,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
+        self.claim_check = claim_check  # messages over its threshold travel through the object store
         cfg = config or SinkConfig()
         self.transport = transport
         self.topics = topics
@@ -69,7 +71,9 @@ class StorageSink:
 
         Commits stay in order: a batch's offsets are committed only after its own
         write and every earlier one completed."""
-        async with ServiceClients(self.transport, self.topics.dead_letter, "storage-sink", heartbeats=self.topics) as io:
+        async with ServiceClients(
+            self.transport, self.topics.dead_letter, "storage-sink", heartbeats=self.topics, claim_check=self.claim_check
+        ) as io:
             sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
             buffer: list = []
             inflight: deque[tuple[asyncio.Task, list]] = deque()  # oldest first

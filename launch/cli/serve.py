@@ -39,7 +39,7 @@ def _load(config: Path, role: str):
     except registry.RegistryError as exc:
         typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    if cfg.metrics.port is not None and os.environ.get("RANK", "0") == "0":  # one port per pod: torchrun's rank 0
+    if cfg.metrics.port is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # one port per host: torchrun's first rank
         from conveyor.metrics import enable_process_metrics
 
         enable_process_metrics(cfg.metrics.port)  # /metrics: messages published/consumed/dead-lettered per topic
@@ -92,8 +92,8 @@ async def _trace_memory() -> None:
                  top=[{"kib": round(d.size_diff / 1024), "count": d.count_diff, "at": d.traceback.format()[-6:]} for d in top])  # fmt: skip
 
 
-def _run_service(cfg, build, *, with_store: bool = True) -> None:
-    """Open the config's transport (and object store), ``build(transport, topics, store)`` the
+def _run_service(cfg, build) -> None:
+    """Open the config's transport and object store, ``build(transport, topics, store)`` the
     service, run it until SIGTERM/SIGINT, and close the transport."""
     from conveyor.errors import ConfigError
     from conveyor.objectstore import wait_for_object_store
@@ -104,7 +104,7 @@ def _run_service(cfg, build, *, with_store: bool = True) -> None:
     async def main(stop: asyncio.Event) -> None:
         transport = open_transport(cfg.transport)
         try:
-            store = await wait_for_object_store(cfg.object_store) if with_store else None
+            store = await wait_for_object_store(cfg.object_store)
             service = build(transport, Topics(cfg.run_id), store)
             with startup_frozen():  # what start-up built lives as long as the process
                 await service.run(stop)
@@ -168,7 +168,7 @@ def reward_bridge(
     scorer = build.scorer(cfg)
     try:
         _run_service(
-            cfg, lambda transport, topics, _: build.build(cfg, transport, topics, scorer=scorer, decode=decode), with_store=False
+            cfg, lambda transport, topics, store: build.build(cfg, transport, topics, scorer=scorer, decode=decode, store=store)
         )
     finally:
         scorer.close()
@@ -334,12 +334,14 @@ def evaluator(
     engine = open_engine(RolloutConfig(**{**cfg.rollout.model_dump(), "engine": ev.engine or cfg.rollout.engine}), model_dir)
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
+    from conveyor.messaging import claim_check_for
+
     try:
         _run_service(
             cfg,
             lambda transport, topics, store: EvaluatorService(
                 transport, topics, store, engine, sandbox, tasks, every=ev.every, run_dir=out, k=ev.k, samples=ev.samples,
-                max_tokens=cfg.sampling.max_tokens, stop=tuple(cfg.sampling.stop),
+                max_tokens=cfg.sampling.max_tokens, stop=tuple(cfg.sampling.stop), claim_check=claim_check_for(cfg, store),
             ),
         )  # fmt: skip
     finally:

@@ -87,3 +87,50 @@ async def test_oversized_garbage_makes_a_bounded_dead_letter():
     letter = decode(transport.broker.topics["dl"][0][0].value, DeadLetter)
     assert letter.raw_truncated and letter.raw_size == len(huge) and len(letter.raw) == DEAD_LETTER_RAW_LIMIT
     assert (letter.source_topic, letter.source_offset) == ("rollouts", 0)
+
+
+async def test_services_built_from_a_run_config_claim_check_what_is_too_large(tmp_path):
+    """The run config's ``claim_check:`` reaches the services their build() makes: a rollout worker
+    publishes rollouts above the threshold by reference, and the bridge reads them back."""
+    import asyncio
+    import random
+
+    from conveyor.config import parse_run_config
+    from conveyor.contracts import ScoredRollout, decode_or_claim
+    from conveyor.messaging import ServiceClients
+    from conveyor.topics import Topics
+    from learner.models import create_tiny_llama
+    from reward import build as reward_build
+    from reward.scorers import LocalScorer
+    from rollout_workers import build as worker_build
+    from rollout_workers.reference_engine import ReferenceEngine
+    from tasks.suites.pyexpr import ALPHABET, sample_problems, to_task
+    from tests.conftest import open_sandbox
+
+    create_tiny_llama(tmp_path / "m", ALPHABET, seed=0, hidden_size=32, layers=2, heads=2, intermediate_size=64)
+    cfg = parse_run_config({"run_id": "cc", "claim_check": {"threshold_bytes": 1024}}, "test")
+    topics = Topics("cc")
+    transport = MemoryTransport(partitions=1)
+    await transport.create_topics(topics.specs(1))
+    store = LocalObjectStore(tmp_path / "o")
+    engine = ReferenceEngine(tmp_path / "m", seed=0)
+    worker = worker_build.build(cfg, transport, topics, store, engine=engine)
+    bridge = reward_build.build(cfg, transport, topics, scorer=LocalScorer(open_sandbox()), decode=engine.decode, store=store)
+    long_prompt = msgspec.structs.replace(to_task(next(sample_problems(random.Random(0))), "cc", 2, 0), metadata={"pad": "x" * 2000})
+    async with ServiceClients(transport, topics.dead_letter, "test", claim_check=ClaimCheck(store, 1024)) as io:
+        await (await io.publisher(topics.tasks).publish(long_prompt, "t"))
+        stop = asyncio.Event()
+        runs = [asyncio.create_task(s.run(stop)) for s in (worker, bridge)]
+        for _ in range(400):
+            if bridge.scored >= 2:
+                break
+            await asyncio.sleep(0.025)
+        stop.set()
+        await asyncio.gather(*runs)
+        reader = transport.consumer([topics.rollouts], "raw")
+        await reader.start()
+        raw = [r.value for r in await reader.getmany(0.5, 100)]
+        scored = await (await io.subscribe([topics.scored], "check", ScoredRollout)).poll(0.5, 100)
+    assert (worker.generated, bridge.scored, worker.tasks_refused) == (2, 2, 0)
+    assert len(raw) == 2 and all(type(decode_or_claim(v, Rollout)) is ClaimRef for v in raw)  # by reference
+    assert len(scored) == 2 and all(s.message.rollout.task.metadata["pad"] == "x" * 2000 for s in scored)
