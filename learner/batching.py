@@ -12,11 +12,16 @@
   workers' admission bound, it also waits for the oldest attempt the workers started that has
   not arrived at all (``window``: ``learner/admitted_window.py``). What is still missing after
   the wait no longer holds the learner back.
-- The ledger of rollout ids: those trained on, in order (``trained_log``: checkpointed, the
-  exactly-once record) and those consumed without training (``settled_ids``: stale, filtered,
-  expired). A redelivered duplicate of either, or a second copy while its group is still
-  forming, is skipped and counted in ``duplicates_skipped``, never counted consumed again (the
-  admission ledger counts each task attempt once too).
+- The ledger of rollout ids: the most recent ``DEDUPE_WINDOW`` trained on, in order
+  (``trained_log``: checkpointed) and consumed without training (``settled_ids``: stale,
+  filtered, expired). A redelivered duplicate of either, or a second copy while its group is
+  still forming, is skipped and counted in ``duplicates_skipped``, never counted consumed again
+  (the admission ledger counts each task attempt once too). The window is bounded, so neither
+  memory nor checkpoints grow with the run: exactly-once rests on the offsets (the position is
+  checkpointed with the weights, and nothing before it is read again), and the window only has
+  to catch the copies a publisher re-sends when it redoes uncommitted work (a bridge or worker
+  restarted or rebalanced: at most its in-flight rollouts, thousands, long before 100,000 more
+  ids arrive). A copy older than that would also be older than ``max_lag`` versions.
 - Offsets: the position of each partition is the oldest record not yet trained on (or
   dropped), so a crash re-reads what was pending and never skips it.
 """
@@ -24,7 +29,7 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import structlog
 
@@ -35,6 +40,32 @@ from conveyor.transport.base import TopicPartition
 from learner.admitted_window import AdmittedWindow
 
 log = structlog.get_logger(__name__)
+DEDUPE_WINDOW = 100_000
+
+
+class RecentIds:
+    """The last ``maxlen`` ids added, in order, with set membership."""
+
+    def __init__(self, ids=(), maxlen: int = DEDUPE_WINDOW) -> None:
+        self.maxlen = maxlen
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self.update(ids)
+
+    def update(self, ids) -> None:
+        for i in ids:
+            self._ids[i] = None
+            self._ids.move_to_end(i)
+        while len(self._ids) > self.maxlen:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._ids
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class Batcher:
@@ -47,9 +78,8 @@ class Batcher:
         self.counters: Counter[str] = Counter() if counters is None else counters
         self.window: AdmittedWindow | None = None  # the workers' admitted attempts, with an admission bound
         self.position: dict[TopicPartition, int] = {}  # next offset to read per partition (checkpointed)
-        self.trained_log: list[str] = []  # ids trained on, in order (checkpointed; the exactly-once ledger)
-        self.trained_ids: set[str] = set()
-        self.settled_ids: set[str] = set()  # consumed without training (stale, filtered, expired): checkpointed
+        self.trained_ids = RecentIds()  # the latest ids trained on, in order (checkpointed)
+        self.settled_ids = RecentIds()  # consumed without training (stale, filtered, expired): checkpointed
         self._groups: dict[str, dict[str, Delivery[ScoredRollout]]] = {}
         self._first_seen: dict[str, float] = {}
         self._waited: set[str] = set()  # incomplete groups a batch has waited for (counted once each)
@@ -143,9 +173,12 @@ class Batcher:
         return False
 
     # ---------------------------------------------------------------- ledger
+    @property
+    def trained_log(self) -> list[str]:
+        return list(self.trained_ids)
+
     def mark_trained(self, ids: list[str]) -> None:
         self.trained_ids.update(ids)
-        self.trained_log.extend(ids)
 
     def mark_settled(self, ids: list[str]) -> None:
         self.settled_ids.update(ids)
@@ -176,14 +209,13 @@ class Batcher:
     def state(self) -> dict:
         """The ledger and the position, as a checkpoint holds them."""
         return {
-            "trained_log": list(self.trained_log),
-            "settled_ids": sorted(self.settled_ids),
+            "trained_log": list(self.trained_ids),
+            "settled_ids": list(self.settled_ids),
             "position": {(tp.topic, tp.partition): o for tp, o in self.position.items()},
         }
 
     def load(self, state: dict) -> None:
         """Continue from a checkpoint's ledger and position."""
-        self.trained_log = list(state["trained_log"])
-        self.trained_ids = set(self.trained_log)
-        self.settled_ids = set(state.get("settled_ids", ()))
+        self.trained_ids = RecentIds(state["trained_log"])
+        self.settled_ids = RecentIds(state.get("settled_ids", ()))
         self.position = {TopicPartition(t, p): o for (t, p), o in state["position"].items()}

@@ -141,3 +141,19 @@ def test_the_wait_for_a_straggler_is_bounded():
     b2.add(delivery(scored("new", 0, version=3), 0, 1))
     b2.add(delivery(scored("new", 1, version=3), 0, 2))
     assert b2.ready(version=3) is not None
+
+
+def test_the_ledger_of_ids_is_bounded_and_survives_a_checkpoint():
+    """Neither memory nor checkpoints grow with the run: the ledger keeps the latest ids (the
+    offsets are the exactly-once record; the window catches re-sent copies)."""
+    from conveyor.config import LearnerConfig
+    from learner.batching import Batcher, RecentIds
+
+    b = Batcher(LearnerConfig())
+    b.trained_ids = RecentIds(maxlen=5)
+    b.mark_trained([f"ro-{i}" for i in range(8)])
+    assert b.trained_log == ["ro-3", "ro-4", "ro-5", "ro-6", "ro-7"] and "ro-2" not in b.trained_ids
+    b.mark_settled(["ro-x"])
+    again = Batcher(LearnerConfig())
+    again.load(b.state())
+    assert again.trained_log == b.trained_log and "ro-x" in again.settled_ids and "ro-7" in again.trained_ids
