@@ -71,6 +71,7 @@ __all__ = [
     "parse_run_config",
     "with_overrides",
 ]
+from conveyor.config_checks import check_run_config
 from conveyor.errors import ConfigError
 from conveyor.topics import validate_run_id
 
@@ -429,12 +430,8 @@ class RunConfig(BaseSettings):
         return validate_run_id(v)
 
     @model_validator(mode="after")
-    def _redelivery_after_time_limit(self) -> RunConfig:
-        if isinstance(self.celery, RedisBrokerConfig) and self.celery.visibility_timeout_s <= self.reward.hard_time_limit_s:
-            raise ValueError(
-                "celery.visibility_timeout_s must exceed reward.hard_time_limit_s "
-                "(Redis would hand a running task to a second worker)"
-            )
+    def _time_limits_nest(self) -> RunConfig:
+        check_run_config(self)  # conveyor/config_checks.py: Celery redelivery, Kafka's max poll interval
         return self
 
     @classmethod

@@ -226,27 +226,42 @@ class LocalObjectStore:
 
 
 class S3ObjectStore:
-    """S3 through boto3: endpoint, credentials and retries from config.
+    """S3 through boto3: endpoint, credentials, TLS and retries from config.
 
     The SHA-256 travels as user metadata (``x-amz-meta-sha256``). boto3's own
     flexible checksums are set to "when required", because several
     S3-compatible servers reject the CRC trailers newer boto3 sends by default.
+    An ``http://`` endpoint on another machine works but is warned about
+    (``s3.plaintext_endpoint``): objects and weights cross the network in clear.
     """
 
     def __init__(self, cfg: S3StoreConfig) -> None:
+        from urllib.parse import urlsplit
+
         import boto3
+        import structlog
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
+
+        from conveyor.backend_config import is_loopback_host
 
         self.cfg = cfg
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix
+        endpoint = urlsplit(cfg.endpoint_url or "")
+        if endpoint.scheme == "http" and not is_loopback_host(endpoint.hostname):
+            structlog.get_logger(__name__).warning(
+                "s3.plaintext_endpoint",
+                endpoint=cfg.endpoint_url,
+                advice="use https:// (object_store.ca_bundle for a private CA)",
+            )
         self._client = boto3.client(
             "s3",
             endpoint_url=cfg.endpoint_url,
             region_name=cfg.region,
             aws_access_key_id=cfg.access_key_id,
             aws_secret_access_key=cfg.secret_access_key.get_secret_value() if cfg.secret_access_key else None,
+            verify=str(cfg.ca_bundle) if cfg.ca_bundle is not None else cfg.verify_tls,
             config=Config(
                 retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
                 connect_timeout=cfg.connect_timeout_s,

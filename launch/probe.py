@@ -51,12 +51,16 @@ def probe_celery_broker(cfg: RunConfig, timeout_s: float = 5.0) -> ProbeResult:
     broker = cfg.celery
     if broker.type == "local":
         return ProbeResult("celery", "local process pool", True, "no broker needed")
-    from kombu import Connection
+    from reward.celery_app import make_app
 
     try:
-        with Connection(broker.url, connect_timeout=timeout_s) as conn:
+        # The reward service's own connection: its password and TLS settings, not the bare URL.
+        app = make_app(cfg)
+        with app.connection_for_write() as conn:
+            conn.connect_timeout = timeout_s
             conn.ensure_connection(max_retries=1, timeout=timeout_s)
             info = conn.transport.driver_name
+        app.close()
     except Exception as exc:  # noqa: BLE001
         return ProbeResult("celery", _redact(broker.url), False, f"{type(exc).__name__}: {exc}")
     return ProbeResult("celery", _redact(broker.url), True, f"connected ({info})")

@@ -43,11 +43,13 @@ REFUSED = 2  # a role's exit code for a config or input it refuses at start: res
 
 def resolve_for_stack(cfg: RunConfig, endpoints: dict[str, str], bucket: str = "conveyor") -> dict:
     """The config as a dict, with transport, object store and Celery broker pointed at the local stack."""
+    from conveyor.backend_config import REVEAL_SECRETS
     from launch.stack.components import LOCAL_S3_ACCESS_KEY, LOCAL_S3_SECRET_KEY
 
-    data = cfg.model_dump(mode="json")
-    transport = {k: v for k, v in data["transport"].items() if k in _kafka_fields()}
-    transport.update(type="kafka", bootstrap_servers=endpoints["kafka"])
+    data = cfg.model_dump(mode="json", context={REVEAL_SECRETS: True})  # a child's config: secrets in clear
+    # The local broker serves plaintext only: the run's own security settings do not apply to it.
+    transport = {k: v for k, v in data["transport"].items() if k in _kafka_fields() and not k.startswith(("ssl_", "sasl_"))}
+    transport.update(type="kafka", bootstrap_servers=endpoints["kafka"], security_protocol="PLAINTEXT")
     data["transport"] = transport
     data["object_store"] = {"type": "s3", "endpoint_url": endpoints["s3"], "bucket": bucket,
                             "access_key_id": LOCAL_S3_ACCESS_KEY, "secret_access_key": LOCAL_S3_SECRET_KEY}  # fmt: skip

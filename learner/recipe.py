@@ -21,6 +21,17 @@ weights and progress) and checkpoints (``learner/checkpoint.py``). Setup happens
 - Offsets: without checkpoints (``checkpoint_every`` 0) each step commits the batcher's safe
   position; with them, offsets are committed only after a checkpoint, and a restarted learner
   resumes from the newest one (the exactly-once rules are ``learner/checkpoint.py``'s).
+- Rebalances: exactly-once rests on the ledger of trained ids and the position, not on the
+  broker. A commit a rebalance refused (the learner was dropped from its group: a step longer
+  than ``transport.max_poll_interval_ms``) is counted (``commits_after_rebalance``) and the
+  learner carries on; when its partitions come back it seeks them to its own position, and
+  what is delivered again is skipped by the ledger.
+- One learner per run: it trains only while it holds every partition of the scored topic. A
+  second learner started by mistake in its group takes some (the group rebalances): then
+  neither trains, publishes nor commits (``rebalance_waits``, a warning naming the group) until
+  one of them leaves, rather than two lineages each training on half the topic under the same
+  version numbers and checkpoint keys. (A scored topic of one partition is not split: whichever
+  holds it trains, from its own state, and the other waits.)
 - Several ranks (``ranks``, under ``torchrun``; ``learner/distributed.py``): this object on rank 0
   does all of the above; every other rank runs only a ``Trainer``'s ``follow``, the collective
   half of each step, weights publication and checkpoint, as rank 0's trainer commands.
@@ -36,7 +47,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import structlog
@@ -49,7 +60,7 @@ from conveyor.errors import ConfigError
 from conveyor.messaging import ClaimCheck, ServiceClients, Subscriber
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
-from conveyor.transport.base import TopicPartition, Transport
+from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from learner.admitted_window import AdmittedWindow
 from learner.batching import Batcher
 from learner.checkpoint import restore_checkpoint, write_checkpoint
@@ -110,9 +121,11 @@ class GRPOLearner:
         self.step = 0
         self.samples_consumed = 0
         self.staleness: Counter[int] = Counter()
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=100)  # the latest steps' rows (metrics.jsonl has them all)
         self._last_step: dict = {}  # reward and staleness of the last step, for the progress topic
         self._sub: Subscriber | None = None
+        self._scored_partitions: set[TopicPartition] | None = None  # every partition of the scored topic
+        self._partitions_missing: set[TopicPartition] = set()
         self._started = time.monotonic()  # the metrics' wall_s (after the step process's start-up)
 
     @property
@@ -184,6 +197,8 @@ class GRPOLearner:
                 if self.batcher.window is not None:
                     await self.batcher.window.ledger.follow()
                 self.samples_consumed += self.batcher.expire()
+                if await self._partitions_elsewhere(sub):
+                    continue  # joining, rebalancing, or a second learner holds some
                 batch = self.batcher.ready(self.version, self.samples_consumed)
                 if batch is None:
                     # Skipped duplicates and expired groups count as consumed too: report them even
@@ -206,7 +221,7 @@ class GRPOLearner:
                     await pub.report(self.progress())
                 position = self.batcher.advance()
                 if not every:
-                    await sub.commit_offsets(position)
+                    await self._commit(sub, position)
                 elif trained and self.step % every == 0:
                     await pub.wait()
                     await self.checkpoint(sub)
@@ -215,8 +230,10 @@ class GRPOLearner:
             if pub.version != self.version and self.step != self.resumed_from:
                 # The final policy is always in the store.
                 await pub.publish(await asyncio.to_thread(self.trainer.weights), self.version, self.step)
-            if every and self.step != self.resumed_from:
-                await self.checkpoint(sub)  # a clean stop leaves nothing to re-train
+            if every and self.step != (self.resumed_from or 0):
+                # A clean stop leaves nothing to re-train; one that trained nothing here (a second
+                # learner that waited all along) leaves the newest checkpoint as it is.
+                await self.checkpoint(sub)
         finally:
             await pub.cancel()
 
@@ -267,7 +284,7 @@ class GRPOLearner:
         key = await write_checkpoint(self.store, self.topics.run_id, self.trainer, progress, step=self.step,
                                      keep=self.config.keep_checkpoints)  # fmt: skip
         if sub is not None:
-            await sub.commit_offsets(dict(self.batcher.position))
+            await self._commit(sub, dict(self.batcher.position))
         return key
 
     def resume(self) -> bool:
@@ -284,6 +301,42 @@ class GRPOLearner:
         self.counters.update(state["counters"])
         log.info("learner.resumed", step=self.step, version=self.version, trained=len(self.batcher.trained_log))
         return True
+
+    # ---------------------------------------------------------- rebalances
+    async def _commit(self, sub: Subscriber, offsets: dict[TopicPartition, int]) -> None:
+        """Commit ``offsets`` of the partitions this learner still holds. What a rebalance moved is
+        not committed: whoever reads it next reads it again, and this learner's ledger skips it."""
+        held = offsets if self.source is not None else {tp: o for tp, o in offsets.items() if tp in sub.assignment()}
+        error = ""
+        try:
+            await sub.commit_offsets(held)
+        except CommitFailed as exc:  # dropped from the group (or moved) between the check and the commit
+            held, error = {}, str(exc)[:200]
+        if len(held) < len(offsets):
+            self.counters["commits_after_rebalance"] += 1
+            log.warning("learner.commit_after_rebalance", partitions=len(offsets) - len(held), error=error)
+
+    async def _partitions_elsewhere(self, sub: Subscriber) -> bool:
+        """Whether this learner lacks a partition of the scored topic: while it joins or its group
+        rebalances, or while another member (a second learner) holds some. It then takes no step."""
+        if self.source is not None:
+            return False
+        assigned = sub.assignment()
+        if not assigned:
+            return True
+        if self._scored_partitions is None:  # the topic exists now: a reader in no group is assigned all of it
+            reader = self.transport.consumer([self.topics.scored], None, from_beginning=False)
+            await reader.start()
+            self._scored_partitions = reader.assignment()
+            await reader.close()
+        missing = self._scored_partitions - assigned
+        if missing and missing != self._partitions_missing:
+            self.counters["rebalance_waits"] += 1
+            log.warning("learner.partitions_elsewhere", group=self.group_id, missing=sorted(tp.partition for tp in missing),
+                        hint="one learner per run: another member of its group holds these; it trains again once it "
+                        "holds them all")  # fmt: skip
+        self._partitions_missing = missing
+        return bool(missing)
 
     async def _seek_to_checkpoint(self, assigned: set[TopicPartition]) -> None:
         consumer = self._sub.consumer if self._sub is not None else None

@@ -85,10 +85,34 @@ def verdict_to_dict(v) -> dict[str, Any]:
     }
 
 
+def _tls_options(broker: RedisBrokerConfig | RabbitMQBrokerConfig, backend: str) -> dict[str, Any]:
+    """Celery's TLS settings for a ``rediss://`` / ``amqps://`` broker and a ``rediss://`` result
+    backend (redis-py and py-amqp name the same settings differently)."""
+    import ssl
+
+    cert_reqs = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}[broker.ssl_cert_reqs]
+    files = (broker.ssl_cafile, broker.ssl_certfile, broker.ssl_keyfile)
+    ca, cert, key = (str(f) if f is not None else None for f in files)
+    redis_tls = {"ssl_cert_reqs": cert_reqs, "ssl_ca_certs": ca, "ssl_certfile": cert, "ssl_keyfile": key,
+                 "ssl_check_hostname": cert_reqs == ssl.CERT_REQUIRED}  # fmt: skip
+    out: dict[str, Any] = {}
+    if broker.url.startswith("rediss://"):
+        out["broker_use_ssl"] = redis_tls
+    elif broker.url.startswith("amqps://"):
+        amqp_tls: dict[str, Any] = {"cert_reqs": cert_reqs, "ca_certs": ca, "certfile": cert, "keyfile": key}
+        if cert_reqs == ssl.CERT_REQUIRED:
+            amqp_tls["server_hostname"] = None  # kombu fills in the URL's host: the certificate must name it
+        out["broker_use_ssl"] = amqp_tls
+    if backend.startswith("rediss://"):
+        out["redis_backend_use_ssl"] = redis_tls
+    return out
+
+
 def make_app(cfg: RunConfig) -> Celery:
+    """The reward service's Celery app. The broker and backend URLs carry the passwords (the
+    config keeps them as secrets, out of its URLs); Celery and kombu mask them when they print a URL."""
     broker = cfg.celery
     if isinstance(broker, RedisBrokerConfig):
-        backend = broker.result_backend or broker.url
         transport_options = {
             "visibility_timeout": broker.visibility_timeout_s,
             # kombu sweeps for expired unacknowledged tasks every interval*throttle seconds
@@ -97,13 +121,14 @@ def make_app(cfg: RunConfig) -> Celery:
             "unacked_restore_throttle": 1,
         }
     elif isinstance(broker, RabbitMQBrokerConfig):
-        backend = broker.result_backend or "rpc://"
         transport_options = {}
     else:
         raise ConfigError("celery.type is 'local': there is no broker to run Celery workers against")
     reward = cfg.reward
-    app = Celery("conveyor-reward", broker=broker.url, backend=backend, set_as_current=False)
+    backend = broker.backend_url()
+    app = Celery("conveyor-reward", broker=broker.broker_url(), backend=backend, set_as_current=False)
     app.conf.update(
+        **_tls_options(broker, backend),
         task_acks_late=True,
         # STARTED is stored when a worker begins a task: the bridge's scorer tells a task whose
         # worker died (started, no result past the hard limit) from one still queued.

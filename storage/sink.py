@@ -12,7 +12,12 @@ with exponential backoff and does not poll (so it holds its position and
 its memory stays bounded); when the store is back the flush lands and the
 offsets are committed. A crash at any point re-reads the uncommitted rows;
 rewriting them is idempotent at the object level, and the reader returns
-each rollout once.
+each rollout once. A rebalance is the same: a flush whose partitions moved
+before its commit is stored but not committed (``commits_refused``), and the
+new owner re-reads and rewrites its rows. Not polling while the store is down
+is why ``transport.max_poll_interval_ms`` must outlast ``give_up_after_s``
+(``conveyor/config_checks.py``): otherwise the broker drops the sink from its
+group mid-outage and every flush is redone.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from conveyor.errors import RetryableError
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ClaimCheck, Delivery, ServiceClients, Subscriber
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
-from conveyor.transport.base import Transport
+from conveyor.transport.base import CommitFailed, Transport
 from storage.lake import table_from_rows, write_parts
 
 log = structlog.get_logger(__name__)
@@ -63,6 +68,7 @@ class StorageSink:
         self.rows_written = 0
         self.rows_dead_lettered = 0
         self.retries = 0
+        self.commits_refused = 0  # flushes whose partitions a rebalance moved before their commit
         self.first_record_at: float | None = None  # monotonic: first record polled (throughput figures)
         self.last_flush_at: float | None = None
 
@@ -84,7 +90,19 @@ class StorageSink:
                 task, deliveries = inflight[0]
                 await task  # raises if the store stayed down past give_up_after_s: nothing committed
                 inflight.popleft()
-                await sub.commit(deliveries)
+                # Only partitions still held: the rows of one a rebalance moved are stored, and its new
+                # owner re-reads and rewrites them (the lake reader returns each rollout once).
+                assigned = sub.assignment()
+                mine = [d for d in deliveries if d.record.tp in assigned]
+                error = ""
+                try:
+                    if mine:
+                        await sub.commit(mine)
+                except CommitFailed as exc:  # moved between the check and the commit
+                    mine, error = [], str(exc)[:200]
+                if len(mine) < len(deliveries):
+                    self.commits_refused += 1
+                    log.warning("storage_sink.commit_after_rebalance", rows=len(deliveries) - len(mine), error=error)
 
             try:
                 while True:

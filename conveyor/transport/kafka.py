@@ -14,6 +14,10 @@
 - Consumers never auto-commit: offsets are committed by the caller after the
   work they cover is durable. A rebalance listener forwards assignment
   changes to the caller.
+- Producer, consumer and admin client connect with the same security
+  settings (``security_kwargs``): TLS, SASL or both. The TLS context is built
+  before the first attempt, so an unreadable certificate is a ConfigError at
+  start, not a broker outage retried until the deadline.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from conveyor.errors import TransportUnavailable
+from conveyor.errors import ConfigError, TransportUnavailable
 from conveyor.runtime import retry_until
 from conveyor.transport.base import CommitFailed, RebalanceCallback, Record, SendResult, TopicPartition, TopicSpec
 
@@ -51,6 +55,28 @@ async def _retry(what: str, fn, deadline_s: float, *, first_delay: float = 0.1, 
     )  # fmt: skip
 
 
+def security_kwargs(cfg: KafkaTransportConfig) -> dict[str, Any]:
+    """aiokafka's keyword arguments for ``cfg``'s security settings (the config checked that the
+    protocol has what it needs)."""
+    kwargs: dict[str, Any] = {"security_protocol": cfg.security_protocol}
+    if cfg.security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        try:
+            context = create_ssl_context(cafile=cfg.ssl_cafile, certfile=cfg.ssl_certfile, keyfile=cfg.ssl_keyfile)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise ConfigError(f"transport.ssl_cafile/ssl_certfile/ssl_keyfile: cannot load: {exc}") from None
+        context.check_hostname = cfg.ssl_check_hostname
+        kwargs["ssl_context"] = context
+    if cfg.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
+        kwargs.update(
+            sasl_mechanism=cfg.sasl_mechanism,
+            sasl_plain_username=cfg.sasl_username,  # aiokafka's name for SCRAM's username too
+            sasl_plain_password=cfg.sasl_password.get_secret_value() if cfg.sasl_password else None,
+        )
+    return kwargs
+
+
 class KafkaProducer:
     def __init__(self, cfg: KafkaTransportConfig) -> None:
         self.cfg = cfg
@@ -59,10 +85,11 @@ class KafkaProducer:
         self._space = asyncio.Event()
         self._resends: set[asyncio.Task] = set()
 
-    def _make(self):
+    def _make(self, security: dict[str, Any]):
         from aiokafka import AIOKafkaProducer
 
         return AIOKafkaProducer(
+            **security,
             bootstrap_servers=self.cfg.bootstrap_servers,
             client_id=self.cfg.client_id,
             acks="all",
@@ -74,8 +101,10 @@ class KafkaProducer:
         )
 
     async def start(self) -> None:
+        security = security_kwargs(self.cfg)
+
         async def attempt():
-            producer = self._make()
+            producer = self._make(security)
             try:
                 await producer.start()
             except BaseException:
@@ -214,8 +243,11 @@ class KafkaConsumer:
             async def on_partitions_assigned(self, assigned):
                 await listener_impl.on_partitions_assigned(assigned)
 
+        security = security_kwargs(self.cfg)
+
         async def attempt():
             consumer = AIOKafkaConsumer(
+                **security,
                 bootstrap_servers=self.cfg.bootstrap_servers,
                 client_id=self.cfg.client_id,
                 group_id=self.group_id,
@@ -340,8 +372,11 @@ class KafkaTransport:
     async def _admin(self):
         from aiokafka.admin import AIOKafkaAdminClient
 
+        security = security_kwargs(self.cfg)
+
         async def attempt():
             admin = AIOKafkaAdminClient(
+                **security,
                 bootstrap_servers=self.cfg.bootstrap_servers,
                 client_id=f"{self.cfg.client_id}-admin",
                 request_timeout_ms=self.cfg.request_timeout_ms,

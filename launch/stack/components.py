@@ -18,6 +18,8 @@ Kafka in production; deploy/ has the compose file).
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,27 +121,27 @@ def s3_component(ports: StackPorts, data_dir: Path) -> Component:
     )
 
 
-def redis_component(ports: StackPorts, data_dir: Path) -> Component:
-    return Component(
-        name="redis",
-        argv=[
-            str(valkey_binary()),
-            "--port",
-            str(ports.redis),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(data_dir),
-            "--daemonize",
-            "no",
-        ],
-        ports=[ports.redis],
-        endpoint=f"redis://127.0.0.1:{ports.redis}/0",
-    )
+def redis_component(ports: StackPorts, data_dir: Path, users: Mapping[str, str] | None = None) -> Component:
+    """valkey, open to any local client; with ``users`` (name -> password) only to them.
+
+    ``users`` go to an ACL file in ``data_dir`` (mode 0600, passwords as SHA-256 only, never on
+    the command line that ``ps`` and ``stack.json`` show): ``default`` is the user a client
+    without a user name authenticates as (Redis's ``requirepass``); without a ``default`` entry
+    the default user is switched off, so every client must name its user. The endpoint carries
+    no credentials: clients bring their own.
+    """
+    argv = [str(valkey_binary()), "--port", str(ports.redis), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(data_dir), "--daemonize", "no"]  # fmt: skip
+    if users is not None:
+        acl = data_dir / "users.acl"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lines = [] if "default" in users else ["user default off"]
+        lines += [f"user {name} on #{hashlib.sha256(pw.encode()).hexdigest()} ~* &* +@all" for name, pw in users.items()]
+        acl.touch(mode=0o600)
+        acl.chmod(0o600)
+        acl.write_text("\n".join(lines) + "\n")
+        argv += ["--aclfile", str(acl)]
+    return Component(name="redis", argv=argv, ports=[ports.redis], endpoint=f"redis://127.0.0.1:{ports.redis}/0")
 
 
 BUILDERS = {"kafka": kafka_component, "s3": s3_component, "redis": redis_component}

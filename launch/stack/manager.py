@@ -26,7 +26,7 @@ import socket
 import subprocess
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from launch.stack.components import (
     BinaryMissing,
     Component,
     StackPorts,
+    redis_component,
 )
 
 
@@ -184,6 +185,8 @@ def check_redis(endpoint: str, timeout_s: float = 3.0) -> None:
     try:
         if not client.ping():
             raise RuntimeError("PING did not return PONG")
+    except redis.AuthenticationError:
+        return  # it answered, asking for credentials: serving (a server with users, and none given here)
     finally:
         client.close()
 
@@ -202,10 +205,25 @@ class RunningComponent:
 
 
 class Stack:
-    def __init__(self, state_dir: Path | str | None = None, ports: StackPorts | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path | str | None = None,
+        ports: StackPorts | None = None,
+        *,
+        redis_users: Mapping[str, str] | None = None,
+    ) -> None:
+        """``redis_users`` (name -> password): the Redis-compatible server admits only them (see
+        ``redis_component``); ``up`` and ``restart`` of this object both apply it."""
         self.state_dir = Path(state_dir).resolve() if state_dir else default_state_dir()
         self.ports = ports or StackPorts()
+        self.redis_users = dict(redis_users) if redis_users is not None else None
         self.restart_failures: list[str] = []  # what each start-up crash in ``restart`` printed
+
+    def _spec(self, name: str) -> Component:
+        data_dir = self.state_dir / "data" / name
+        if name == "redis" and self.redis_users is not None:
+            return redis_component(self.ports, data_dir, self.redis_users)
+        return BUILDERS[name](self.ports, data_dir)  # may raise BinaryMissing
 
     @property
     def state_file(self) -> Path:
@@ -240,10 +258,7 @@ class Stack:
                 f"the stack in {self.state_dir} is already running: {listing}; "
                 "run `conveyor stack down` first, or use another --state-dir"
             )
-        specs: list[Component] = []
-        for name in components:
-            data_dir = self.state_dir / "data" / name
-            specs.append(BUILDERS[name](self.ports, data_dir))  # may raise BinaryMissing
+        specs = [self._spec(name) for name in components]
         for spec in specs:
             busy = [p for p in spec.ports if not port_free(p)]
             if busy:
@@ -355,7 +370,7 @@ class Stack:
         comp = running[name]
         if pid_alive(comp.pid):
             raise AlreadyRunning(f"{name} (pid {comp.pid}) is still running")
-        spec = BUILDERS[name](self.ports, self.state_dir / "data" / name)
+        spec = self._spec(name)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(not port_free(p) for p in spec.ports):
             time.sleep(0.2)

@@ -116,7 +116,9 @@ async def test_services_built_from_a_run_config_claim_check_what_is_too_large(tm
     engine = ReferenceEngine(tmp_path / "m", seed=0)
     worker = worker_build.build(cfg, transport, topics, store, engine=engine)
     bridge = reward_build.build(cfg, transport, topics, scorer=LocalScorer(open_sandbox()), decode=engine.decode, store=store)
-    long_prompt = msgspec.structs.replace(to_task(next(sample_problems(random.Random(0))), "cc", 2, 0), metadata={"pad": "x" * 2000})
+    long_prompt = msgspec.structs.replace(
+        to_task(next(sample_problems(random.Random(0))), "cc", 2, 0), metadata={"pad": "x" * 2000}
+    )
     async with ServiceClients(transport, topics.dead_letter, "test", claim_check=ClaimCheck(store, 1024)) as io:
         await (await io.publisher(topics.tasks).publish(long_prompt, "t"))
         stop = asyncio.Event()

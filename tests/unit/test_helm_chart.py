@@ -113,7 +113,10 @@ def test_explicit_keys_render_the_release_s_secret_and_nothing_else(helm):
     objs = objects(render(helm, "s3.accessKeyId=AKIA1", "s3.secretAccessKey=sekrit", release="exp-1").stdout)
     secret = objs[("Secret", "exp-1-s3")]
     validate(secret)
-    assert secret["stringData"] == {"CONVEYOR_OBJECT_STORE__ACCESS_KEY_ID": "AKIA1", "CONVEYOR_OBJECT_STORE__SECRET_ACCESS_KEY": "sekrit"}
+    assert secret["stringData"] == {
+        "CONVEYOR_OBJECT_STORE__ACCESS_KEY_ID": "AKIA1",
+        "CONVEYOR_OBJECT_STORE__SECRET_ACCESS_KEY": "sekrit",
+    }
     assert secret_refs(objs, "learner") == ["exp-1-s3"]
     assert [k for k in objs if k[0] == "Secret"] == [("Secret", "exp-1-s3")]
 
@@ -185,7 +188,9 @@ def test_network_policy_admits_only_the_release_and_what_is_configured(helm):
     validate(api)
     producer_pods = [r for r, labels in pod_labels_of(objs).items() if selects(api["spec"]["podSelector"]["matchLabels"], labels)]
     assert producer_pods == ["producer"]
-    assert api["spec"]["ingress"] == [{"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"protocol": "TCP", "port": 8600}]}]
+    assert api["spec"]["ingress"] == [
+        {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"protocol": "TCP", "port": 8600}]}
+    ]
     policy = objs[("NetworkPolicy", "conveyor")]
     validate(policy)
     assert len(policy["spec"]["ingress"]) == 1  # no metricsFrom: no metrics rule, never an empty `from`

@@ -54,3 +54,19 @@ def test_the_evaluator_is_stopped_and_a_refused_start_is_not_retried(tmp_path):
     assert sup.roles["reward-bridge"].done and sup.roles["reward-bridge"].restarts == 0
     codes = sup.stop(grace_s=5)
     assert codes["evaluator"] == -15 and codes["reward-bridge"] == 2  # stopped; reported as it exited
+
+
+def test_a_childs_config_carries_the_secrets_in_clear_and_no_broker_security_for_the_local_stack():
+    from conveyor.config import parse_run_config
+    from launch.supervisor import resolve_for_stack
+
+    cfg = parse_run_config(
+        {"run_id": "sec", "celery": {"type": "redis", "url": "redis://reward:s3cret@redis.example:6379/0"},
+         "transport": {"type": "kafka", "bootstrap_servers": "kafka.example:9093", "security_protocol": "SASL_SSL",
+                       "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "u", "sasl_password": "p4ss"}},
+        "test",
+    )  # fmt: skip
+    data = resolve_for_stack(cfg, {"kafka": "127.0.0.1:1", "s3": "http://127.0.0.1:2"})
+    assert data["celery"]["password"] == "s3cret"  # not **********: the child must connect with it
+    assert data["transport"]["security_protocol"] == "PLAINTEXT" and "sasl_password" not in data["transport"]
+    parse_run_config(data, "child")  # and the child can load it

@@ -348,6 +348,8 @@ def test_a_learner_without_checkpoints_refuses_a_run_that_already_trained(tmp_pa
     store = LocalObjectStore(tmp_path / "o")
     store.put(keys.weights_key("r", 3), b"weights")
     transport = MemoryTransport()
-    learner = GRPOLearner(transport, Topics("r"), model, tok.pad_token_id, store, LearnerConfig(checkpoint_every=0), run_dir=tmp_path)
+    learner = GRPOLearner(
+        transport, Topics("r"), model, tok.pad_token_id, store, LearnerConfig(checkpoint_every=0), run_dir=tmp_path
+    )
     with pytest.raises(ConfigError, match="checkpoint_every"):
         asyncio.run(learner.run(asyncio.Event()))
