@@ -26,7 +26,7 @@ from conveyor.admission import AdmissionLedger
 from conveyor.contracts import ScoredRollout, Task, attempt_key
 from conveyor.messaging import ClaimCheck, Publisher, ServiceClients
 from conveyor.topics import Topics
-from conveyor.transport.base import Transport
+from conveyor.transport.base import CommitFailed, Transport
 
 log = structlog.get_logger(__name__)
 
@@ -122,7 +122,10 @@ class TaskProducer:
                 if scored is not None:
                     got = await scored.poll(timeout_s=0, max_records=4096)
                     self._feed_curriculum([d.message for d in got])
-                    await scored.commit(got)
+                    try:
+                        await scored.commit(got)
+                    except CommitFailed as exc:  # rebalanced away: the curriculum only hears a verdict twice
+                        log.warning("producer.commit_after_rebalance", error=str(exc)[:200])
                 offered: list[tuple[str, int]] = []
                 try:
                     while self.credits() - sum(n for _, n in offered) > 0 and not stop.is_set():

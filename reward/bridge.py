@@ -202,7 +202,7 @@ class RewardBridge:
         try:
             await sub.commit(ready)
         except CommitFailed as exc:  # rebalanced away: the new owner re-reads them (published once more at worst)
-            log.warning("reward_bridge.commit_after_rebalance", error=str(exc))
+            log.warning("reward_bridge.commit_after_rebalance", error=str(exc)[:200])
 
     def _remember(self, rollout_id: str) -> None:
         self._seen[rollout_id] = None

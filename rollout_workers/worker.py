@@ -286,7 +286,7 @@ class RolloutWorker:
             if mine:
                 await tasks.commit(mine)
         except CommitFailed as exc:
-            log.warning("rollout_worker.commit_after_rebalance", tasks=len(mine), error=str(exc))
+            log.warning("rollout_worker.commit_after_rebalance", tasks=len(mine), error=str(exc)[:200])
 
     async def _follow(self, weights: Subscriber, progress: Subscriber, wait_s: float = 0.0) -> None:
         """Take in the learner's progress (waiting up to ``wait_s`` for a report) and swap to the newest
