@@ -91,19 +91,25 @@ def s3_cfg(stack):
     )
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """A Redis-protocol server (valkey) from the local stack, for Celery tests."""
+def local_redis(directory, **stack_kw):
+    """Start the local stack's Redis-protocol server (valkey) in ``directory``; yields its URL
+    (``stack_kw``: e.g. ``redis_users`` for a password and ACL users)."""
     from launch.stack.components import BinaryMissing
     from launch.stack.manager import Stack, StackError, StackPorts
 
-    st = Stack(tmp_path_factory.mktemp("redis-stack"), StackPorts.from_base(free_port_block()))
+    st = Stack(directory, StackPorts.from_base(free_port_block()), **stack_kw)
     try:
         st.up(["redis"], timeout_s=30)
     except (StackError, BinaryMissing) as exc:
         service_unavailable(f"local stack redis did not start: {exc}")
     yield st.endpoints()["redis"]
     st.down(grace_s=3)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A Redis-protocol server (valkey) from the local stack, for Celery tests."""
+    yield from local_redis(tmp_path_factory.mktemp("redis-stack"))
 
 
 def make_rollout_for(task, completion: str, sample_index: int = 0):

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 from celery_support import Worker, reachable
-from conftest import free_port_block, service_unavailable
+from conftest import free_port_block, local_redis, service_unavailable
 from tls_support import make_tls_files
 
 from conveyor.config import load_run_config, parse_run_config
@@ -85,17 +85,7 @@ def connect_error(celery: dict) -> str:
 
 @pytest.fixture(scope="module")
 def acl_redis(tmp_path_factory):
-    from launch.stack.components import BinaryMissing
-    from launch.stack.manager import Stack, StackError, StackPorts
-
-    st = Stack(tmp_path_factory.mktemp("acl-redis"), StackPorts.from_base(free_port_block()),
-               redis_users={"default": DEFAULT_PW, "reward": USER_PW})  # fmt: skip
-    try:
-        st.up(["redis"], timeout_s=30)
-    except (StackError, BinaryMissing) as exc:
-        service_unavailable(f"local stack redis did not start: {exc}")
-    yield st.endpoints()["redis"]
-    st.down(grace_s=3)
+    yield from local_redis(tmp_path_factory.mktemp("acl-redis"), redis_users={"default": DEFAULT_PW, "reward": USER_PW})
 
 
 def test_celery_round_trip_as_an_acl_user_with_the_password_in_the_url(acl_redis, tmp_path):
