@@ -94,9 +94,7 @@ class CeleryScorer:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._kv = hasattr(app.backend, "mget") and hasattr(app.backend, "get_key_for_task")
-        if self._kv:
-            # Results are read by MGET, never from Redis's pub/sub channel: subscribe to nothing.
-            app.backend.on_task_call = lambda producer, task_id: None
+        self.backend = None  # the collector thread's: Celery keeps one backend per thread
 
     def submit(self, items: Sequence[Item]) -> list[asyncio.Future]:
         """One future per item, resolved with its Verdict as its task completes."""
@@ -141,6 +139,12 @@ class CeleryScorer:
         """Send what was submitted and read the results, all from this one thread: kombu's
         connections are not shared between threads, and the rpc:// backend replies to the
         thread that sent the task."""
+        # Celery's Redis backend is per thread: this thread's is the one that sends and reads.
+        # Results are read by MGET, never from Redis's pub/sub channel, so it subscribes to nothing
+        # (a subscription per task grew the bridge by 2.5 MiB a minute: the channels and their keys).
+        self.backend = self.app.backend
+        if self._kv:
+            self.backend.on_task_call = lambda producer, task_id: None
         while not self._closed:
             self._wake.wait(self.poll_s)
             self._wake.clear()
@@ -191,7 +195,7 @@ class CeleryScorer:
                         self.task.apply_async(args=p.args, task_id=rid, queue=self._queue(p.args))
 
     def _metas(self, ids: list[str]) -> dict[str, dict]:
-        backend = self.app.backend
+        backend = self.backend
         if self._kv:
             values = backend.mget([backend.get_key_for_task(rid) for rid in ids])
             return {rid: backend.decode_result(v) for rid, v in zip(ids, values) if v}

@@ -74,9 +74,11 @@ def test_results_are_read_without_subscribing_and_forgotten_after_collection(cel
         items = [(T(f"m{b}-{i}", "math", answer=str(i)), rf"\boxed{{{i}}}", f"m-{uuid.uuid4().hex}") for i in range(48)]
         ids += [rid for _, _, rid in items]
         assert {v.verdict for v in asyncio.run(scorer.score(items))} == {"pass"}
-    if hasattr(app.backend, "get_key_for_task"):  # a key-value result backend (Redis)
-        assert not app.backend.result_consumer.subscribed_to
-        assert not any(app.backend.client.exists(app.backend.get_key_for_task(rid)) for rid in ids)
+    backend = scorer.backend  # the collector thread's: Celery keeps a backend per thread
+    assert backend is not None
+    if hasattr(backend, "get_key_for_task"):  # a key-value result backend (Redis)
+        assert not backend.result_consumer.subscribed_to and backend.result_consumer._pubsub is None
+        assert not any(backend.client.exists(backend.get_key_for_task(rid)) for rid in ids)
     else:  # rpc:// (RabbitMQ): results arrive as messages, each taken once
         assert scorer.in_flight == 0
 
