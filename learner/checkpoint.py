@@ -110,11 +110,8 @@ def load_latest(store: ObjectStore, run_id: str) -> dict | None:
     data = store.get(manifest_key, sha256=pointer["manifest"]["sha256"])
     if _looks_pickled(data):
         raise CheckpointRefused(_legacy(manifest_key))
-    try:
-        manifest = json.loads(data)
-    except ValueError:
-        raise CheckpointRefused(f"checkpoint manifest {manifest_key} is not JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("step") != pointer["step"]:
+    manifest = _json_object(data, f"checkpoint manifest {manifest_key}")
+    if manifest.get("format") != FORMAT or manifest.get("step") != pointer["step"]:
         raise CheckpointRefused(f"checkpoint manifest {manifest_key} does not match its pointer {pointer_key}")
     tensors_key = pointer["tensors"]["key"]
     data = store.get(tensors_key, sha256=pointer["tensors"]["sha256"])
@@ -170,16 +167,21 @@ def _signature(secret: bytes, pointer: dict) -> str:
     return hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
 
 
+def _json_object(data: bytes, what: str) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        raise CheckpointRefused(f"{what} is not JSON") from None
+    if not isinstance(value, dict):
+        raise CheckpointRefused(f"{what} is not a JSON object")
+    return value
+
+
 def _read_pointer(raw: bytes, pointer_key: str, run_id: str) -> dict:
     """The pointer, once it is known to be this run's, in this format and (with a key) signed by it."""
     if _looks_pickled(raw):
         raise CheckpointRefused(_legacy(pointer_key))
-    try:
-        pointer = json.loads(raw)
-    except ValueError:
-        raise CheckpointRefused(f"checkpoint pointer {pointer_key} is not JSON") from None
-    if not isinstance(pointer, dict):
-        raise CheckpointRefused(f"checkpoint pointer {pointer_key} is not a JSON object")
+    pointer = _json_object(raw, f"checkpoint pointer {pointer_key}")
     if "format" not in pointer:  # {"key": ".../step-<n>.pt", "step", "sha256"}: a torch.save pickle
         raise CheckpointRefused(_legacy(str(pointer.get("key", pointer_key))))
     secret = _secret()
