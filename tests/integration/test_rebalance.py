@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 import uuid
 from collections import Counter
@@ -127,17 +128,29 @@ async def _publish(transport, topics: Topics, topic: str, messages: list, key, p
 
 
 class _SlowWrites:
-    """An object store whose part writes take ``delay_s`` longer (a slow S3 server)."""
+    """An object store whose part writes take ``delay_s`` longer (a slow S3 server), and wait while
+    the writes are held (``hold``/``release``): a write in flight then outlasts a rebalance however
+    long the broker takes over it."""
 
     def __init__(self, store, delay_s: float) -> None:
         self._store = store
         self.delay_s = delay_s
+        self._open = threading.Event()
+        self._open.set()
 
     def __getattr__(self, name):
         return getattr(self._store, name)
 
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     def put_if_absent(self, *args, **kwargs):
-        time.sleep(self.delay_s)  # write_parts runs in a thread
+        # write_parts runs in a thread; the wait is bounded so a failed test cannot hang a thread
+        self._open.wait(timeout=120)
+        time.sleep(self.delay_s)
         return self._store.put_if_absent(*args, **kwargs)
 
 
@@ -149,14 +162,18 @@ async def test_storage_sinks_rebalanced_mid_flush_store_every_rollout_once(kafka
     first, second = StorageSink(transport, topics, store, cfg), StorageSink(transport, topics, store, cfg)
     async with _Services() as svc:
         svc.start("first", first)
-        feed = svc.side(_publish(transport, topics, topics.scored, rows, lambda s: s.rollout.task_id, per_s=25))
+        # Keyed by rollout, so that the rows a sink holds at any moment span every partition: whichever
+        # partitions the rebalance moves, the first sink holds rows of them.
+        feed = svc.side(_publish(transport, topics, topics.scored, rows, lambda s: s.rollout_id, per_s=25))
         await svc.until(lambda: first.rows_written >= 32, "the first sink's writes")
-        # Writes now outlast the rebalance (about 3 s on this broker): the flushes in flight when the
-        # second sink joins land after their partitions moved, and their commits are refused.
-        store.delay_s = 6.0
+        # Writes now wait until the rebalance is over (the second sink has read a record): the flushes
+        # in flight when the second sink joins land after their partitions moved, and their commits
+        # are refused.
+        store.hold()
         svc.start("second", second)
+        await svc.until(lambda: second.first_record_at is not None, "the rebalance (the second sink's first record)", 60)
+        store.release()
         await svc.until(lambda: first.commits_refused > 0, "a flush of the first sink landing after the rebalance")
-        store.delay_s = 0.2
         await svc.until(lambda: second.rows_written > 0, "the second sink's first write")
         await svc.stop("first")  # drains and leaves: its partitions move again
         await feed
