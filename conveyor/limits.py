@@ -13,6 +13,10 @@ MAX_ABS_REWARD = 1e6
 standard deviation: a reward near the float limit overflows it and turns the step into NaNs, and
 no verifier, reward model or judge scores anywhere near this."""
 MAX_GROUP_SIZE = 1024
+RECENT_IDS = 100_000
+"""How many recent ids a long-lived reader remembers: the learner the rollout ids it trained on
+(its guard against training one twice), an admission ledger reader the attempts claimed. Memory
+stays flat however long the run; a redelivery older than this is treated as new."""
 
 
 def nesting_depth(value: Any, limit: int = MAX_DATA_DEPTH) -> int:

@@ -29,7 +29,7 @@ class AdmittedWindow:
         self.bound = bound  # (max_lag + 1) * learner batch, the workers' admission bound
         self.max_lag = max_lag
         self.wait_s = wait_s
-        self._read = 0  # claims of ledger.order taken in
+        self._read = 0  # claims of the ledger taken in (its position)
         self._outstanding: deque[str] = deque()  # claimed attempts in ticket order, oldest first
         self._consumed: set[str] = set()  # consumed out of ticket order, not yet at the front
         self._consumed_at: dict[int, int] = {}  # policy version -> samples consumed reported with it
@@ -39,7 +39,7 @@ class AdmittedWindow:
     def start(self, consumed: int) -> None:
         """Forget the attempts a previous incarnation consumed: tickets within what it consumed."""
         self._take_claims()
-        while self._outstanding and self.ledger.tickets[self._outstanding[0]] <= consumed:
+        while self._outstanding and (self.ledger.ticket(self._outstanding[0]) or 0) <= consumed:
             self._outstanding.popleft()
 
     def consumed(self, key: str) -> None:
@@ -51,9 +51,8 @@ class AdmittedWindow:
             del self._consumed_at[v]
 
     def _take_claims(self) -> None:
-        order = self.ledger.order
-        self._outstanding.extend(order[self._read :])
-        self._read = len(order)
+        claimed, self._read = self.ledger.claimed_since(self._read)
+        self._outstanding.extend(claimed)
 
     def hold(self, version: int, consumed: int, present: set[str]) -> bool:
         """Whether a step from ``version`` must wait for an attempt the workers started and the
@@ -68,7 +67,10 @@ class AdmittedWindow:
         for key in list(self._outstanding):
             if key in self._consumed or key in present:
                 continue
-            ticket = self.ledger.tickets[key]
+            ticket = self.ledger.ticket(key)
+            if ticket is None:  # so old the ledger forgot it: consumed, or long given up on
+                self._outstanding.remove(key)
+                continue
             if ticket - consumed > self.bound:
                 return False  # not started yet, nor anything after it
             admitted_from = [v for v, c in self._consumed_at.items() if c >= ticket - self.bound]

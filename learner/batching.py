@@ -35,12 +35,13 @@ import structlog
 
 from conveyor.config import LearnerConfig
 from conveyor.contracts import ScoredRollout, attempt_key
+from conveyor.limits import RECENT_IDS
 from conveyor.messaging import Delivery
 from conveyor.transport.base import TopicPartition
 from learner.admitted_window import AdmittedWindow
 
 log = structlog.get_logger(__name__)
-DEDUPE_WINDOW = 100_000
+DEDUPE_WINDOW = RECENT_IDS
 
 
 class RecentIds:

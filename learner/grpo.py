@@ -100,7 +100,7 @@ def completion_logprobs(
     check_prompts(prompts, completions)
     if len({tuple(p) for p in prompts}) < len(prompts) and any(completions):
         return _shared_prefix_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies)
-    return _whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies)
+    return whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies)
 
 
 def check_prompts(prompts: list[list[int]], completions: list[list[int]]) -> None:
@@ -113,10 +113,11 @@ def check_prompts(prompts: list[list[int]], completions: list[list[int]]) -> Non
             )
 
 
-def _whole_sequence_logprobs(
+def whole_sequence_logprobs(
     model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None
 ) -> list[torch.Tensor]:
-    """:func:`completion_logprobs` with every sequence run whole (right-padded)."""
+    """:func:`completion_logprobs` with every sequence run whole (right-padded): the plain reference
+    the shared-prefix and packed paths are checked against."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)

@@ -106,7 +106,15 @@ def test_sft_then_rl_on_your_data_then_eval(stack, kafka_cfg, s3_cfg, redis_url,
         sampling={"max_tokens": 5, "temperature": 1.0, "stop": ["\n"]},
         rollout={
             "engine": "vllm",
-            "vllm": {"dtype": "float32", "max_model_len": 64, "kv_cache_mb": 256, "memory_utilization": 0.05},
+            # Eager: on CPU vLLM's graph capture only costs time (about 40 s of the RL window on a
+            # fresh machine, its compile cache empty) and speeds nothing up for a model this small.
+            "vllm": {
+                "dtype": "float32",
+                "max_model_len": 64,
+                "kv_cache_mb": 256,
+                "memory_utilization": 0.05,
+                "enforce_eager": True,
+            },
         },
     )
     path = write_run_config(tmp_path / run_id, data)

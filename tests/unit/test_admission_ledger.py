@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.admission import AdmissionLedger, admissible
+from conveyor.contracts import Admission
 from conveyor.messaging import ServiceClients
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryBroker, MemoryTransport
@@ -79,3 +80,41 @@ async def test_a_malformed_claim_is_dead_lettered_and_the_ledger_goes_on():
     assert a.tickets == {"t1/0": 4}
     assert any(r.key == b"adm4" for part in broker.topics[topics.dead_letter] for r in part)
     await io_a.__aexit__(None, None, None)
+
+
+def _claim(ledger: AdmissionLedger, *keys: str, samples: int = 4) -> None:
+    ledger.apply(Admission(run_id="r", kind="claim", member="rw", keys=list(keys), samples=[samples] * len(keys)))
+
+
+def test_a_reader_remembers_a_bounded_number_of_attempts():
+    ledger = AdmissionLedger("r", "rw", sub=None, pub=None, retain=100)  # type: ignore[arg-type]
+    for i in range(1_000):
+        _claim(ledger, f"t{i}/0")
+        ledger.apply(Admission(run_id="r", kind="offer", member="p", keys=[f"o{i}/0"], samples=[4]))
+    assert len(ledger.tickets) < 200 and len(ledger.order) < 200  # between retain and twice retain
+    # Offers: a repeat of a recent one is ignored; the oldest is forgotten and counts again.
+    before = ledger.unclaimed_offered
+    ledger.apply(Admission(run_id="r", kind="offer", member="p", keys=["o999/0", "o0/0"], samples=[4, 4]))
+    assert ledger.unclaimed_offered == before + 4
+    assert ledger.claimed_samples == 4_000  # the count is not forgotten, only the keys
+    assert ledger.ticket("t999/0") == 4_000 and ledger.ticket("t0/0") is None
+    # A recent attempt claimed again keeps its ticket; a forgotten one counts as new, behind all others.
+    _claim(ledger, "t990/0", "t0/0")
+    assert (ledger.ticket("t990/0"), ledger.claims("t990/0")) == (3_964, 2)
+    assert ledger.ticket("t0/0") == 4_004
+
+
+def test_claimed_since_hands_out_every_claim_once_across_forgetting():
+    ledger = AdmissionLedger("r", "learner", sub=None, pub=None, retain=10)  # type: ignore[arg-type]
+    seen: list[str] = []
+    position = 0
+    for i in range(95):
+        _claim(ledger, f"t{i}/0")
+        if i % 7 == 0:
+            new, position = ledger.claimed_since(position)
+            seen += new
+    new, position = ledger.claimed_since(position)
+    assert seen + new == [f"t{i}/0" for i in range(95)] and position == 95
+    # A reader that fell further behind than the ledger remembers gets what is left, in order.
+    late, _ = ledger.claimed_since(0)
+    assert late == ledger.order and late[-1] == "t94/0"

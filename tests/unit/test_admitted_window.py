@@ -74,3 +74,18 @@ def test_an_attempt_behind_one_that_arrived_is_still_waited_for():
     window.reported(1, 0)
     # "a" has partly arrived (the learner holds it); "b" has not arrived at all and would be 2 old.
     assert window.hold(version=1, consumed=0, present={"a/0"})
+
+
+def test_an_attempt_the_ledger_forgot_holds_nothing():
+    ledger = AdmissionLedger("w", "learner", sub=None, pub=None, retain=2)  # type: ignore[arg-type]
+    window = AdmittedWindow(ledger, bound=BOUND, max_lag=1, wait_s=30)
+    window.start(0)
+    window.reported(0, 0)
+    ledger.apply(Admission(run_id="w", kind="claim", member="rw", keys=["a/0"], samples=[B]))
+    window.consumed("z/0")
+    window.reported(1, 8)
+    assert window.hold(version=1, consumed=8, present=set())  # "a" (version 0) would be 2 versions old
+    more = [f"n{i}/0" for i in range(4)]  # the ledger forgets "a" (it remembers 2 to 4 attempts)
+    ledger.apply(Admission(run_id="w", kind="claim", member="rw", keys=more, samples=[B] * 4))
+    assert ledger.ticket("a/0") is None
+    assert not window.hold(version=1, consumed=8, present=set())

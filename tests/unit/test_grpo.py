@@ -130,7 +130,7 @@ def test_a_shared_prompt_is_run_once_with_the_same_logprobs_and_gradients(tmp_pa
     temps = [0.7 if k % 2 else 1.0 for k in range(16)]
     weights = [rng.uniform(-1, 1) for _ in range(16)]
     results = {}
-    for name, fn in (("whole", grpo._whole_sequence_logprobs), ("shared", grpo.completion_logprobs)):
+    for name, fn in (("whole", grpo.whole_sequence_logprobs), ("shared", grpo.completion_logprobs)):
         model.zero_grad()
         ent: list = []
         calls = []
@@ -179,7 +179,7 @@ def test_token_entropies_agree_on_every_path_and_the_bonus_raises_entropy(tmp_pa
     completions = [[12, 13], [14], [15, 16, 17], []]
     temps = [1.0, 0.7, 1.0, 1.0]
     paths = {
-        "whole": lambda te, ent: grpo._whole_sequence_logprobs(model, prompts, completions, tok.pad_token_id, ent, temps, te),
+        "whole": lambda te, ent: grpo.whole_sequence_logprobs(model, prompts, completions, tok.pad_token_id, ent, temps, te),
         "shared": lambda te, ent: grpo.completion_logprobs(model, prompts, completions, tok.pad_token_id, ent, temps, te),
         "packed": lambda te, ent: packed_completion_logprobs(
             model, prompts, completions, entropy=ent, temperatures=temps, token_entropies=te

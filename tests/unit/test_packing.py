@@ -67,7 +67,7 @@ SHARED_COMPLETIONS = COMPLETIONS + [[8, 9], [4, 5, 6], []]
 def test_values_and_gradients_match_the_padded_computation(model, pack_tokens, prompts, completions, share_prompts):
     m, pad = model
     weights = torch.linspace(-1, 1, sum(len(c) for c in completions))
-    ref = grpo._whole_sequence_logprobs(m, prompts, completions, pad, None, None)  # every sequence whole
+    ref = grpo.whole_sequence_logprobs(m, prompts, completions, pad, None, None)  # every sequence whole
     m.zero_grad()
     (torch.cat(ref) * weights).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}

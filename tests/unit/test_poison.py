@@ -296,7 +296,7 @@ def test_an_update_with_a_non_finite_gradient_is_dropped(tmp_path):
         "advantages": [1.0, -1.0],
         "masks": [torch.ones(2), torch.ones(2)],
     }
-    stats = trainer._optimise(work)
+    stats = trainer.step(work)
     assert stats["nonfinite_updates_skipped"] == 1
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
