@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -41,23 +40,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MAX_LAG, BATCH_GROUPS, GROUP = 2, 8, 8
-
-
-def prepare_model(model_dir: Path, warmup_steps: int = 800, seed: int = 0) -> Path:
-    """The demo's tiny policy, warmed up (the default model of ``conveyor run``)."""
-    import torch
-
-    from launch.demo import DemoConfig, _warmup
-    from learner.models import create_tiny_llama
-    from tasks.suites.pyexpr import ALPHABET
-
-    if (model_dir / "config.json").exists():
-        return model_dir
-    torch.manual_seed(seed)
-    model, tok = create_tiny_llama(model_dir, ALPHABET, seed=seed)
-    _warmup(model, tok, DemoConfig(warmup_steps=warmup_steps), random.Random(seed))
-    model.save_pretrained(model_dir)
-    return model_dir
 
 
 def run_config(run_id: str, kafka: dict, s3: dict, redis_url: str, *, lr: float | None = None, max_lag: int = MAX_LAG) -> dict:
@@ -171,9 +153,10 @@ def run_distributed(work: Path, kafka: dict, s3: dict, redis_url: str, *, second
     from conveyor.config import parse_run_config
     from conveyor.contracts import Rollout, ScoredRollout
     from conveyor.topics import Topics
+    from launch.demo import warmed_tiny_policy
     from launch.supervisor import Supervisor, write_run_config
 
-    model_dir = prepare_model(work / "model", warmup_steps)
+    model_dir = warmed_tiny_policy(work / "model", warmup_steps)
     run_id = f"dist-{uuid.uuid4().hex[:6]}"
     data = run_config(run_id, kafka, s3, redis_url, lr=lr)
     cfg = parse_run_config(data)

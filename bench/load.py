@@ -73,7 +73,7 @@ def main() -> None:
         ap.error("--minutes must exceed --warmup-minutes by 1.5 at least (a minute to set the level, then samples to compare)")
 
     from conveyor.config import load_run_config
-    from launch.cli.run import _default_model
+    from launch.demo import warmed_tiny_policy
     from launch.stack.manager import Stack, StackPorts, free_port_block
     from launch.supervisor import Supervisor, resolve_for_stack, write_run_config
 
@@ -86,7 +86,7 @@ def main() -> None:
         cfg = load_run_config(args.config).model_copy(update={"run_id": f"load-{uuid.uuid4().hex[:6]}"})
         run_dir = tmp / "runs" / cfg.run_id
         path = write_run_config(run_dir, resolve_for_stack(cfg, stack.endpoints()))
-        sup = Supervisor(run_dir, path, _default_model(tmp / "model", 300))
+        sup = Supervisor(run_dir, path, warmed_tiny_policy(tmp / "model", 300))
         sup.start()
         started = time.monotonic()
         next_sample = 0.0

@@ -100,6 +100,24 @@ def _warmup(model, tokenizer, cfg: DemoConfig, rng: random.Random) -> float:
     return loss
 
 
+def warmed_tiny_policy(model_dir: Path, warmup_steps: int, seed: int = 0) -> Path:
+    """The demo's tiny policy after ``warmup_steps`` of the demo's warm-up, saved in ``model_dir``
+    (the default model of ``conveyor run`` and of the distributed benchmarks); a directory that
+    already holds a model is taken as it is."""
+    if (model_dir / "config.json").exists():
+        return model_dir
+    import torch
+
+    from learner.models import create_tiny_llama
+    from tasks.suites.pyexpr import ALPHABET
+
+    torch.manual_seed(seed)
+    model, tok = create_tiny_llama(model_dir, ALPHABET, seed=seed)
+    _warmup(model, tok, DemoConfig(warmup_steps=warmup_steps), random.Random(seed))
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
 def _task_stream(cfg: DemoConfig, run_id: str, rng: random.Random):
     from tasks.suites.pyexpr import sample_problems, to_task
 

@@ -29,6 +29,7 @@ def run(
     from conveyor.config import load_run_config
     from conveyor.errors import ConfigError
     from conveyor.logging import configure_logging
+    from launch.demo import warmed_tiny_policy
     from launch.stack.manager import Stack, StackError, pid_alive
     from launch.supervisor import Supervisor, resolve_for_stack, write_run_config
 
@@ -51,7 +52,7 @@ def run(
             raise typer.Exit(getattr(exc, "exit_code", 1)) from None
     run_dir = (out / cfg.run_id).resolve()
     path = write_run_config(run_dir, resolve_for_stack(cfg, st.endpoints()))
-    model_dir = given_model or _default_model(run_dir / "model", warmup_steps)
+    model_dir = given_model or warmed_tiny_policy(run_dir / "model", warmup_steps)
     sup = Supervisor(run_dir, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers,
                      evaluator=cfg.eval.every > 0)  # fmt: skip
     typer.echo(f"run {cfg.run_id}: config {path}, logs {run_dir / 'logs'}")
@@ -70,24 +71,6 @@ def run(
     if failed:  # a role that did not drain (killed after its grace, or exited with an error while stopping)
         typer.secho(f"the stop did not drain cleanly: {failed} (see {run_dir / 'logs'})", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
-
-
-def _default_model(model_dir: Path, warmup_steps: int) -> Path:
-    if (model_dir / "config.json").exists():
-        return model_dir
-    import random
-
-    import torch
-
-    from launch.demo import DemoConfig, _warmup
-    from learner.models import create_tiny_llama
-    from tasks.suites.pyexpr import ALPHABET
-
-    torch.manual_seed(0)
-    model, tok = create_tiny_llama(model_dir, ALPHABET, seed=0)
-    _warmup(model, tok, DemoConfig(warmup_steps=warmup_steps), random.Random(0))
-    model.save_pretrained(model_dir)
-    return model_dir
 
 
 def status(
