@@ -46,11 +46,16 @@ class Prepared:
     counts: Counter[str] = field(default_factory=Counter)  # why samples and groups were dropped or down-weighted
     staleness: Counter[int] = field(default_factory=Counter)  # lag -> samples
     rewards: list[float] = field(default_factory=list)  # every sample's, kept or not
+    passed: int = 0  # samples whose verdict was "pass"
 
     def stats(self) -> dict:
         """The batch's part of a step's metrics."""
+        n = max(len(self.rewards), 1)
+        mean = sum(self.rewards) / n
         return {
-            "reward_mean": sum(self.rewards) / max(len(self.rewards), 1),
+            "reward_mean": mean,
+            "reward_std": (sum((r - mean) ** 2 for r in self.rewards) / n) ** 0.5,
+            "pass_rate": self.passed / n,
             "samples": len(self.rewards),
             "trained_samples": len(self.trained),
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
@@ -64,6 +69,7 @@ def prepare(batch: list[list[ScoredRollout]], version: int, config: LearnerConfi
     columns: dict[str, list] = {k: [] for k in ("prompts", "completions", "behaviour", "advantages", "masks", "fresh", "temps")}
     for group in batch:
         out.rewards.extend(s.reward for s in group)
+        out.passed += sum(s.verdict == "pass" for s in group)
         kept, weights = [], []
         for s in group:
             lag = version - s.rollout.min_policy_version

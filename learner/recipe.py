@@ -58,6 +58,7 @@ from conveyor.config import LearnerConfig
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import ConfigError
 from conveyor.messaging import ClaimCheck, ServiceClients, Subscriber
+from conveyor.metrics import process_learner_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
@@ -127,6 +128,7 @@ class GRPOLearner:
         self._scored_partitions: set[TopicPartition] | None = None  # every partition of the scored topic
         self._partitions_missing: set[TopicPartition] = set()
         self._started = time.monotonic()  # the metrics' wall_s (after the step process's start-up)
+        self.prometheus = process_learner_metrics()  # the step rows as Prometheus series, when the process serves them
 
     @property
     def model(self):
@@ -168,6 +170,8 @@ class GRPOLearner:
             self._sub = sub
             if self.source is None:  # partitions assigned before the callback could see `sub`
                 await self._seek_to_checkpoint(set(sub.consumer.assignment()))
+            if self.prometheus is not None:
+                self.prometheus.start(self.counters)  # after a resume: its counts so far are not this process's
             with (self.run_dir / "metrics.jsonl").open("a") as self._metrics:
                 await self._loop(stop, sub)
         await asyncio.to_thread(self.close)
@@ -274,6 +278,8 @@ class GRPOLearner:
         self.history.append(row)
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        if self.prometheus is not None:
+            self.prometheus.observe(row, self.counters)
 
     # ---------------------------------------------------------- checkpoints
     async def checkpoint(self, sub: Subscriber | None = None) -> str:

@@ -25,7 +25,7 @@ def _flat(run_id: str, g: int) -> list:
     return [msgspec.structs.replace(s, reward=1.0, verdict="pass") for s in scored_group(run_id, g, 2)]
 
 
-async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int):
+async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int, prometheus=None):
     from learner.models import create_tiny_llama
     from tasks.suites.pyexpr import ALPHABET
 
@@ -36,6 +36,7 @@ async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int):
     learner = GRPOLearner(
         transport, topics, model, tok.pad_token_id, LocalObjectStore(tmp_path / "objects"), cfg, run_dir=tmp_path
     )
+    learner.prometheus = prometheus or learner.prometheus
     producer = transport.producer()
     await producer.start()
     pub = Publisher(producer, topics.scored)
@@ -80,3 +81,37 @@ async def test_a_redelivered_rollout_is_skipped_without_counting_it_consumed(tmp
     learner, _, progress = await _run(tmp_path, [first, again, scored_group("ver", 1, 2)], wait_for_consumed=4)
     assert learner.counters["duplicates_skipped"] == 2
     assert progress[-1].samples_consumed == 4  # the learner's count matches the ledger's: once per rollout
+
+
+async def test_the_step_rows_are_served_as_prometheus_series(tmp_path):
+    import json
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conveyor.metrics import LearnerMetrics, serve_metrics
+
+    prometheus = LearnerMetrics.create()
+    groups = [scored_group("ver", 0, 2), _flat("ver", 1), scored_group("ver", 3, 2)]
+    learner, _, _ = await _run(tmp_path, groups, wait_for_consumed=6, prometheus=prometheus)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve_metrics(port, prometheus.registry, "127.0.0.1")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    got = {(m.name, tuple(sorted(m.labels.items()))): m.value for f in text_string_to_metric_families(text) for m in f.samples}
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["loss"] is not None]
+    assert got[("conveyor_learner_step", ())] == learner.step == 2
+    assert got[("conveyor_learner_policy_version", ())] == learner.version == 2
+    assert got[("conveyor_learner_trained_samples_total", ())] == sum(r["trained_samples"] for r in rows) == 4
+    assert got[("conveyor_learner_trained_tokens_total", ())] == sum(r["tokens"] for r in trained)
+    assert got[("conveyor_learner_reward_mean", ())] == rows[-1]["reward_mean"]
+    assert got[("conveyor_learner_pass_rate", ())] == rows[-1]["pass_rate"]
+    assert got[("conveyor_learner_grad_norm", ())] == trained[-1]["grad_norm"]
+    assert got[("conveyor_learner_events_total", (("reason", "batches_untrained"),))] == 1
+    assert got[("conveyor_learner_events_total", (("reason", "samples_zero_variance"),))] == 2
+    # Every sample of every step, trained or not, in the staleness histogram.
+    assert got[("conveyor_learner_sample_staleness_versions_count", ())] == 6
+    assert got[("conveyor_learner_step_seconds_count", ())] == len(rows) == 3
