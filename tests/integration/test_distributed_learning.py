@@ -15,8 +15,12 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
+# The benchmark runs 300 s of RL; 75 s already gain three times the margin (0.59 -> 0.91).
 RL_SECONDS = float(os.environ.get("CONVEYOR_DIST_RL_SECONDS", "75"))
 MARGIN = 0.10  # a learner that does not learn gains 0.00
+# The benchmark warms the policy up for 800 steps; 300 start it as high (held out 0.63 vs 0.59) in
+# a third of the time. The margin does not depend on it: at lr 1e-12 the weights never move.
+WARMUP_STEPS = 300
 
 
 @pytest.mark.timeout(900)
@@ -25,7 +29,7 @@ def test_distributed_run_learns_from_what_it_generates(stack, kafka_cfg, s3_cfg,
 
     kafka = kafka_cfg.model_dump()
     s3 = {**s3_cfg.model_dump(mode="json"), "secret_access_key": s3_cfg.secret_access_key.get_secret_value()}
-    fig = run_distributed(tmp_path, kafka, s3, redis_url, seconds=RL_SECONDS, warmup_steps=800)
+    fig = run_distributed(tmp_path, kafka, s3, redis_url, seconds=RL_SECONDS, warmup_steps=WARMUP_STEPS)
     fig.pop("_rollouts")
     print(json.dumps(fig, default=str))
     assert all(code == 0 for code in fig["exit_codes"].values()), fig["exit_codes"]  # every role drained
