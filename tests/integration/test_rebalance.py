@@ -233,7 +233,7 @@ async def test_reward_bridges_rebalanced_mid_batch_score_every_rollout(kafka_cfg
           f"published_twice={sum(n > 1 for n in scored.ids.values())}")  # fmt: skip
 
 
-async def test_a_reward_bridge_waiting_past_max_poll_interval_scores_every_rollout(kafka_cfg):
+async def _a_reward_bridge_waiting_past_max_poll_interval_scores_every_rollout(kafka_cfg):
     """Every slot waiting for a verdict, the bridge polls nothing: past ``max_poll_interval_ms`` the
     broker drops it from its group, its commit is refused, and it rejoins and carries on."""
     topics, transport = await _setup(kafka_cfg.model_copy(update={"max_poll_interval_ms": 1000}), "bridgewait")
@@ -305,7 +305,7 @@ class _SlowStepLearner(GRPOLearner):
         return super().train_step(batch)
 
 
-async def test_a_learner_whose_steps_outlast_max_poll_interval_trains_every_rollout_once(kafka_cfg, tmp_path):
+async def _a_learner_whose_steps_outlast_max_poll_interval_trains_every_rollout_once(kafka_cfg, tmp_path):
     short = kafka_cfg.model_copy(update={"max_poll_interval_ms": 1000})
     topics, transport = await _setup(short, "slowstep")
     rows = [s for g in range(8) for s in scored_group(topics.run_id, g, GROUP)]
@@ -322,6 +322,15 @@ async def test_a_learner_whose_steps_outlast_max_poll_interval_trains_every_roll
     assert learner.counters["commits_after_rebalance"] >= 1  # it was dropped from its group and carried on
     print(f"FIGURE learner_poll_overrun steps={learner.step} commits_refused={learner.counters['commits_after_rebalance']} "
           f"duplicates_skipped={learner.counters['duplicates_skipped']}")  # fmt: skip
+
+
+async def test_a_bridge_and_a_learner_that_outlast_max_poll_interval_carry_on(kafka_cfg, tmp_path):
+    """Both at once, each on its own run's topics: most of either is waiting for the broker to drop
+    a member that stopped polling, so together they take the time of one."""
+    await asyncio.gather(
+        _a_reward_bridge_waiting_past_max_poll_interval_scores_every_rollout(kafka_cfg),
+        _a_learner_whose_steps_outlast_max_poll_interval_trains_every_rollout_once(kafka_cfg, tmp_path),
+    )
 
 
 # -------------------------------------------------------------------------------- rollout worker
