@@ -66,7 +66,7 @@ class RolloutMetrics:
                 "Fetch, verify and swap a weights version",
                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                 registry=registry,
-            ),  # fmt: skip
+            ),
             swaps_refused=Counter(
                 "conveyor_weight_swaps_refused", "Weights objects refused (missing, corrupt, misfit)", registry=registry
             ),
@@ -124,27 +124,27 @@ class LearnerMetrics:
                 "conveyor_learner_trained_samples",
                 "Samples trained on (the others are counted by reason in conveyor_learner_events_total)",
                 registry=registry,
-            ),  # fmt: skip
+            ),
             tokens=Counter("conveyor_learner_trained_tokens", "Completion tokens trained on", registry=registry),
             staleness=Histogram(
                 "conveyor_learner_sample_staleness_versions",
                 "Versions between a sample's policy and the step that took it",
                 buckets=STALENESS_BUCKETS,
                 registry=registry,
-            ),  # fmt: skip
+            ),
             step_seconds=Histogram(
                 "conveyor_learner_step_seconds",
                 "Time of one step (preparation and updates)",
                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                 registry=registry,
-            ),  # fmt: skip
+            ),
             events=Counter(
                 "conveyor_learner_events",
                 "Samples, groups and batches dropped, skipped or waited for, by "
                 "reason (samples_zero_variance, samples_stale_dropped, duplicates_skipped, batches_untrained, ...)",
                 ["reason"],
                 registry=registry,
-            ),  # fmt: skip
+            ),
             registry=registry,
         )
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,9 @@ def test_sft_then_rl_on_your_data_then_eval(stack, kafka_cfg, s3_cfg, redis_url,
     files = write_user_files(tmp_path)
     conveyor("train", "sft", "--data", files["demos"], "--model", files["base"], "--out", tmp_path / "sft",
              "--batch-size", 64, "--lr", "1e-3")  # fmt: skip
-    before = heldout_pass_rate(tmp_path / "sft", files["test"])
+    # The SFT model's evaluation runs while the roles start (it reads only the SFT directory).
+    evaluating = ThreadPoolExecutor(1)
+    before_eval = evaluating.submit(heldout_pass_rate, tmp_path / "sft", files["test"])
 
     kafka = kafka_cfg.model_dump()
     s3 = {**s3_cfg.model_dump(mode="json"), "secret_access_key": s3_cfg.secret_access_key.get_secret_value()}
@@ -138,6 +141,8 @@ def test_sft_then_rl_on_your_data_then_eval(stack, kafka_cfg, s3_cfg, redis_url,
     finally:
         codes = sup.stop()
     assert all(code == 0 for code in codes.values()), codes  # every role drained
+    before = before_eval.result()
+    evaluating.shutdown()
 
     exported = json.loads(conveyor("runs", "export-model", run_id, tmp_path / "out", "--config", path))
     assert exported["version"] > 10, exported
