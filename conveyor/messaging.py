@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 HEARTBEAT_S = 5.0
+LAG_EVERY_S = 5.0  # how often a subscriber refreshes its lag gauges (a local computation, no request)
 
 M = TypeVar("M", bound=Message)
 
@@ -116,6 +118,9 @@ class Publisher(Generic[M]):
         fut = await self.producer.send(self.topic, raw, key.encode() if key is not None else None)
         if self.metrics:
             self.metrics.published.labels(self.topic).inc()
+            if isinstance(fut, asyncio.Future):  # the broker's acknowledgement, timed from the enqueue
+                latency, sent = self.metrics.publish_latency.labels(self.topic), time.monotonic()
+                fut.add_done_callback(lambda _: latency.observe(time.monotonic() - sent))
         return fut
 
     async def publish_and_wait(self, msg: M, key: str | None) -> SendResult:
@@ -185,6 +190,9 @@ class Subscriber(Generic[M]):
             topics, group_id, from_beginning=from_beginning, on_assigned=on_assigned, on_revoked=on_revoked
         )
         self.dead_lettered = 0
+        self.group = group_id or "none"  # the lag gauges' group label ("none": a reader of every partition)
+        self._lag_at = 0.0
+        self._lag_labels: set[tuple[str, str, str]] = set()
 
     async def start(self) -> None:
         await self.consumer.start()
@@ -209,7 +217,26 @@ class Subscriber(Generic[M]):
             if self.metrics:
                 self.metrics.consumed.labels(record.topic).inc()
             out.append(Delivery(msg, record))  # type: ignore[arg-type]  # a ClaimRef was resolved above
+        if self.metrics and time.monotonic() - self._lag_at >= LAG_EVERY_S:
+            await self._observe_lag()
         return out
+
+    async def _observe_lag(self) -> None:
+        """Set one gauge per assigned partition; drop those of partitions a rebalance moved away."""
+        assert self.metrics is not None
+        self._lag_at = time.monotonic()
+        try:
+            async with asyncio.timeout(2.0):  # a partition's first position may need a request
+                lags = await self.consumer.lag()
+        except Exception as exc:  # noqa: BLE001 - a metric never stops a consumer
+            log.debug("consumer.lag_unavailable", error=repr(exc)[:200])
+            return
+        labels = {(tp.topic, str(tp.partition), self.group): n for tp, n in lags.items()}
+        for gone in self._lag_labels - labels.keys():
+            self.metrics.lag.remove(*gone)
+        for key, n in labels.items():
+            self.metrics.lag.labels(*key).set(n)
+        self._lag_labels = set(labels)
 
     async def dead_letter(self, delivery: Delivery[M], reason: str, error: str) -> None:
         """Send a record that decoded but cannot be processed (``reason``: a short class of the
@@ -253,6 +280,10 @@ class Subscriber(Generic[M]):
         return await self.consumer.caught_up()
 
     async def close(self) -> None:
+        if self.metrics:
+            for key in self._lag_labels:
+                self.metrics.lag.remove(*key)
+            self._lag_labels = set()
         await self.consumer.close()
 
 

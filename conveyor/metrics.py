@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 
 def make_registry() -> CollectorRegistry:
@@ -23,6 +23,7 @@ class TransportMetrics:
     dead_lettered: Counter
     claim_checked: Counter
     publish_latency: Histogram
+    lag: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> TransportMetrics:
@@ -38,6 +39,12 @@ class TransportMetrics:
             ),
             publish_latency=Histogram(
                 "conveyor_publish_seconds", "Time from publish to broker acknowledgement", ["topic"], registry=registry
+            ),
+            lag=Gauge(
+                "conveyor_consumer_lag_records",
+                "Records in the partition past what this consumer has read (the high watermark of its last fetch)",
+                ["topic", "partition", "group"],
+                registry=registry,
             ),
         )
 
@@ -55,6 +62,10 @@ class RolloutMetrics:
     swaps_refused: Counter
     policy_version: Gauge
     tokens: Counter
+    running: Gauge
+    sequences: Gauge
+    waiting: Gauge
+    admission_wait: Counter
     registry: CollectorRegistry
 
     @classmethod
@@ -72,7 +83,90 @@ class RolloutMetrics:
             ),
             policy_version=Gauge("conveyor_worker_policy_version", "Policy version the engine serves", registry=registry),
             tokens=Counter("conveyor_generated_tokens", "Completion tokens generated", registry=registry),
+            running=Gauge(
+                "conveyor_rollout_tasks_running", "Tasks being generated (each a group of sequences)", registry=registry
+            ),
+            sequences=Gauge("conveyor_rollout_sequences_in_flight", "Sequences the engine is generating", registry=registry),
+            waiting=Gauge(
+                "conveyor_rollout_tasks_waiting_admission", "Tasks polled and held back by admission control", registry=registry
+            ),
+            admission_wait=Counter(
+                "conveyor_rollout_admission_wait_seconds",
+                "Time with tasks waiting for admission and nothing generating (the learner is the bottleneck)",
+                registry=registry,
+            ),
             registry=registry,
+        )
+
+
+SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclass
+class RewardMetrics:
+    """The reward bridge: verdicts by verifier kind and outcome, time to a verdict, work in flight."""
+
+    verdicts: Counter
+    scoring_seconds: Histogram
+    sandbox_seconds: Histogram
+    in_flight: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> RewardMetrics:
+        registry = registry if registry is not None else make_registry()
+        return cls(
+            verdicts=Counter(
+                "conveyor_reward_verdicts", "Rollouts scored, by verifier kind and verdict", ["kind", "verdict"], registry=registry
+            ),
+            scoring_seconds=Histogram(
+                "conveyor_reward_scoring_seconds",
+                "From submitting a rollout to its verdict (executor queue and verifier)",
+                ["kind"],
+                buckets=SECONDS_BUCKETS,
+                registry=registry,
+            ),
+            sandbox_seconds=Histogram(
+                "conveyor_reward_sandbox_seconds",
+                "Time the rollout's code ran in the sandbox (verifiers that run code)",
+                ["kind"],
+                buckets=SECONDS_BUCKETS,
+                registry=registry,
+            ),
+            in_flight=Gauge(
+                "conveyor_reward_in_flight_rollouts", "Rollouts taken and not yet published scored (the executors' queue)",
+                registry=registry,
+            ),
+        )  # fmt: skip
+
+    def observe(self, kind: str, verdict: str, seconds: float, details: dict[str, float]) -> None:
+        self.verdicts.labels(kind, verdict).inc()
+        self.scoring_seconds.labels(kind).observe(seconds)
+        if "duration_s" in details:
+            self.sandbox_seconds.labels(kind).observe(details["duration_s"])
+
+
+@dataclass
+class SinkMetrics:
+    """The storage sink: rows and bytes stored in the lake, and how long a flush takes."""
+
+    rows: Counter
+    bytes: Counter
+    parts: Counter
+    flush_seconds: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> SinkMetrics:
+        registry = registry if registry is not None else make_registry()
+        return cls(
+            rows=Counter("conveyor_lake_rows", "Rollouts stored in the lake", registry=registry),
+            bytes=Counter("conveyor_lake_bytes", "Bytes of Parquet parts stored in the lake", registry=registry),
+            parts=Counter("conveyor_lake_parts", "Parquet parts stored in the lake", registry=registry),
+            flush_seconds=Histogram(
+                "conveyor_lake_flush_seconds",
+                "From a flush's start to every part stored (retries included)",
+                buckets=SECONDS_BUCKETS,
+                registry=registry,
+            ),
         )
 
 
@@ -109,6 +203,7 @@ class LearnerMetrics:
     tokens: Counter
     staleness: Histogram
     step_seconds: Histogram
+    phase_seconds: Counter
     events: Counter
     registry: CollectorRegistry
     _seen: dict[str, int] = field(default_factory=dict)  # the counts already counted
@@ -136,6 +231,13 @@ class LearnerMetrics:
                 "conveyor_learner_step_seconds",
                 "Time of one step (preparation and updates)",
                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                registry=registry,
+            ),
+            phase_seconds=Counter(
+                "conveyor_learner_phase_seconds",
+                "Learner time by phase: wait (for a complete batch), compute (the step), publish (held by the "
+                "previous publication, the progress report, the commit or a checkpoint)",
+                ["phase"],
                 registry=registry,
             ),
             events=Counter(
@@ -168,6 +270,9 @@ class LearnerMetrics:
                 self.staleness.observe(int(versions))
         if row.get("step_s") is not None:
             self.step_seconds.observe(float(row["step_s"]))
+        for phase, column in (("wait", "wait_s"), ("compute", "step_s"), ("publish", "publish_s")):
+            if row.get(column) is not None:
+                self.phase_seconds.labels(phase).inc(float(row[column]))
         for reason, total in counts.items():
             grew = total - self._seen.get(reason, 0)
             self._seen[reason] = total
@@ -179,6 +284,8 @@ _process: TransportMetrics | None = None
 _registry: CollectorRegistry | None = None
 _rollout: RolloutMetrics | None = None
 _learner: LearnerMetrics | None = None
+_reward: RewardMetrics | None = None
+_sink: SinkMetrics | None = None
 
 
 def enable_process_metrics(port: int, addr: str = "0.0.0.0") -> TransportMetrics:
@@ -187,6 +294,7 @@ def enable_process_metrics(port: int, addr: str = "0.0.0.0") -> TransportMetrics
     global _process, _registry
     if _process is None:
         _registry = make_registry()
+        ProcessCollector(registry=_registry)  # process_* (CPU, memory, open files), as the default registry has
         _process = TransportMetrics.create(_registry)
         serve_metrics(port, _registry, addr)
     return _process
@@ -206,6 +314,27 @@ def process_learner_metrics() -> LearnerMetrics | None:
     if _learner is None and _registry is not None:
         _learner = LearnerMetrics.create(_registry)
     return _learner
+
+
+def process_reward_metrics() -> RewardMetrics | None:
+    """The reward bridge's metrics on the process registry (None in embedded mode)."""
+    global _reward
+    if _reward is None and _registry is not None:
+        _reward = RewardMetrics.create(_registry)
+    return _reward
+
+
+def process_sink_metrics() -> SinkMetrics | None:
+    """The storage sink's metrics on the process registry (None in embedded mode)."""
+    global _sink
+    if _sink is None and _registry is not None:
+        _sink = SinkMetrics.create(_registry)
+    return _sink
+
+
+def process_registry() -> CollectorRegistry | None:
+    """The registry served on the process's metrics port (None in embedded mode)."""
+    return _registry
 
 
 def process_metrics() -> TransportMetrics | None:

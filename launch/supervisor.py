@@ -85,10 +85,12 @@ class Role:
     stopping: bool = False
     done: bool = False
     history: list[int] = field(default_factory=list)  # exit codes
+    env: dict[str, str] = field(default_factory=dict)  # over the supervisor's own environment
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             self.argv,
+            env={**os.environ, **self.env} if self.env else None,
             stdout=self.log_path.open("a"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -103,7 +105,11 @@ class Role:
 
 class Supervisor:
     def __init__(self, run_dir: Path, config_path: Path, model_dir: Path, *, rollout_workers: int = 1, reward_workers: int = 1,
-                 tokenizer_dir: Path | None = None, threads: int = 1, evaluator: bool = False) -> None:  # fmt: skip
+                 tokenizer_dir: Path | None = None, threads: int = 1, evaluator: bool = False,
+                 metrics_port_base: int | None = None) -> None:  # fmt: skip
+        """``metrics_port_base``: each role serves Prometheus metrics on its own port from there
+        (``metrics_ports``: role -> port), overriding the config's ``metrics.port``, which on one
+        host every role would try to bind."""
         self.run_dir = run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         serve = [sys.executable, "-m", "launch.cli.main", "serve"]
@@ -120,7 +126,14 @@ class Supervisor:
             ("producer", [*serve, "producer", *cfg]),
             *([("evaluator", [*serve, "evaluator", *cfg, "--model", str(model_dir), "--run-dir", str(run_dir)])] if evaluator else []),
         ]  # fmt: skip
-        self.roles = {name: Role(name, argv, run_dir / "logs" / f"{name}.log") for name, argv in specs}
+        self.metrics_ports = (
+            {} if metrics_port_base is None else {name: metrics_port_base + i for i, (name, _) in enumerate(specs)}
+        )
+        self.roles = {
+            name: Role(name, argv, run_dir / "logs" / f"{name}.log",
+                       env={"CONVEYOR_METRICS__PORT": str(self.metrics_ports[name])} if name in self.metrics_ports else {})
+            for name, argv in specs
+        }  # fmt: skip
 
     def start(self) -> None:
         for role in self.roles.values():

@@ -194,6 +194,7 @@ class GRPOLearner:
 
     async def _loop(self, stop: asyncio.Event, sub: Subscriber) -> None:
         pub, every = self.publication, self.config.checkpoint_every
+        idle_since = time.monotonic()  # the end of the last step: from here the learner waits for data
         try:
             while not stop.is_set():
                 for d in await sub.poll(timeout_s=0.2, max_records=1024):
@@ -211,10 +212,12 @@ class GRPOLearner:
                         await pub.wait()  # a report never overtakes a step's weights
                         await pub.report(self.progress())
                     continue
+                waited = time.monotonic() - idle_since
                 stats, state = await asyncio.to_thread(self._step_and_snapshot, batch)
                 trained = stats["trained_samples"] > 0
                 self.samples_consumed += sum(len(g) for g in batch)
                 self._last_step = {"reward_mean": stats["reward_mean"], "max_staleness": stats["max_staleness"]}
+                held_from = time.monotonic()
                 # The previous step's publication had this whole step to finish; publications stay in order.
                 await pub.wait()
                 if trained:
@@ -229,7 +232,11 @@ class GRPOLearner:
                 elif trained and self.step % every == 0:
                     await pub.wait()
                     await self.checkpoint(sub)
+                # The step's time split: waiting for a batch, computing it (step_s), and held by the
+                # previous publication, the progress report, the commit or a checkpoint.
+                stats.update(wait_s=waited, publish_s=time.monotonic() - held_from)
                 self._record(stats)
+                idle_since = time.monotonic()
             await pub.wait()
             if pub.version != self.version and self.step != self.resumed_from:
                 # The final policy is always in the store.

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from conveyor.config import ProducerConfig
 from conveyor.contracts import ChatMessage, SamplingParams, Task, VerifierSpec
 from conveyor.messaging import Publisher
+from conveyor.metrics import process_registry
 from conveyor.topics import Topics, validate_run_id
 from conveyor.transport.base import Transport
 from producers.api_guard import Guard
@@ -158,6 +159,27 @@ def to_task(t: TaskIn, run_id: str, default_group_size: int) -> Task:
     )
 
 
+class ApiCollector:
+    """The API's counts (kept by the app and its guard) as Prometheus series, read at scrape time."""
+
+    def __init__(self, accepted: dict[str, int], responses: Counter) -> None:
+        self.accepted, self.responses = accepted, responses
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        tasks = CounterMetricFamily("conveyor_api_tasks_accepted", "Tasks accepted over HTTP", labels=["run"])
+        for run, n in list(self.accepted.items()):
+            tasks.add_metric([run], n)
+        yield tasks
+        codes = CounterMetricFamily(
+            "conveyor_api_responses", "HTTP responses by status (401, 413, 422, 429: refusals)", labels=["status"]
+        )
+        for code, n in list(self.responses.items()):
+            codes.add_metric([str(code)], n)
+        yield codes
+
+
 def create_app(
     transport: Transport,
     producer: ProducerConfig | None = None,
@@ -229,18 +251,21 @@ def create_app(
     async def healthz() -> dict:
         return {"ok": True}
 
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    api_metrics = ApiCollector(state["accepted"], responses)
+    own = CollectorRegistry()
+    own.register(api_metrics)
+    served = process_registry()
+    if served is not None:  # `conveyor serve producer`: on the role's metrics port too, where Prometheus scrapes
+        try:
+            served.register(api_metrics)
+        except ValueError:  # a second API in the process: the first one's counts are served
+            log.warning("api.metrics_already_registered")
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-
-        reg = CollectorRegistry()
-        g = Gauge("conveyor_api_tasks_accepted", "Tasks accepted over HTTP", ["run"], registry=reg)
-        for run, n in state["accepted"].items():
-            g.labels(run).set(n)
-        c = Counter("conveyor_api_responses", "HTTP responses by status (401, 413, 422, 429: refusals)", ["status"], registry=reg)
-        for code, n in responses.items():
-            c.labels(str(code)).inc(n)
-        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(own), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/runs", status_code=201)
     async def create_run(request: Request) -> dict:

@@ -140,6 +140,7 @@ class RolloutWorker:
         self.swaps_refused = 0
         self.swap_seconds: list[float] = []
         self.metrics = metrics or process_rollout_metrics()  # Prometheus, when the process serves metrics
+        self._held_since: float | None = None  # admission has held every task back since then
 
     @property
     def bound(self) -> int:
@@ -178,7 +179,9 @@ class RolloutWorker:
                             await self.ledger.claim([(_key(e[0].message), e[0].message.group_size) for e in polled])
                         waiting += polled
                         polled_order += polled
-                    order += self._start_admitted(waiting, running)
+                    started = self._start_admitted(waiting, running)
+                    order += started
+                    self._observe(running, waiting, held=bool(waiting) and not started and not running)
                     if running:
                         done, _ = await asyncio.wait(running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                         self._collect(done, running)
@@ -201,6 +204,18 @@ class RolloutWorker:
                 for t in running:  # on failure: nothing half-done keeps running
                     t.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
+
+    def _observe(self, running: dict, waiting: list[list], held: bool) -> None:
+        """Prometheus gauges of the loop's state; ``held``: tasks wait for admission and none runs."""
+        if not self.metrics:
+            return
+        now = time.monotonic()
+        if held and self._held_since is not None:
+            self.metrics.admission_wait.inc(now - self._held_since)
+        self._held_since = now if held else None
+        self.metrics.running.set(len(running))
+        self.metrics.sequences.set(sum(e[0].message.group_size for e in running.values()))
+        self.metrics.waiting.set(len(waiting))
 
     def _start_admitted(self, waiting: list[list], running: dict) -> list[list]:
         """Start waiting tasks in ticket order while their tickets are within the bound; returns the

@@ -35,6 +35,7 @@ from conveyor.config import SinkConfig
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import RetryableError
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ClaimCheck, Delivery, ServiceClients, Subscriber
+from conveyor.metrics import SinkMetrics, process_sink_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.transport.base import CommitFailed, Transport
@@ -53,8 +54,10 @@ class StorageSink:
         *,
         group_id: str | None = None,
         claim_check: ClaimCheck | None = None,
+        metrics: SinkMetrics | None = None,
     ) -> None:
         self.claim_check = claim_check  # messages over its threshold travel through the object store
+        self.metrics = metrics if metrics is not None else process_sink_metrics()  # Prometheus, when served
         cfg = config or SinkConfig()
         self.transport = transport
         self.topics = topics
@@ -159,6 +162,11 @@ class StorageSink:
             os.kill(os.getpid(), signal.SIGKILL)
         self.last_flush_at = time.monotonic()
         self.rows_written += sum(p.rows for p in parts)
+        if self.metrics:
+            self.metrics.rows.inc(sum(p.rows for p in parts))
+            self.metrics.bytes.inc(sum(p.size for p in parts))
+            self.metrics.parts.inc(len(parts))
+            self.metrics.flush_seconds.observe(self.last_flush_at - started)
         log.info("lake_flush", rows=sum(p.rows for p in parts), parts=len(parts))
 
     async def _without_unstorable(

@@ -157,3 +157,15 @@ def store(request, tmp_path):
         return LocalObjectStore(tmp_path / "objects")
     cfg = request.getfixturevalue("s3_cfg")
     return S3ObjectStore(cfg.model_copy(update={"prefix": f"test-{uuid.uuid4().hex[:8]}/"}))
+
+
+def start_prometheus(data_dir, port: int, targets: dict[str, int], rule_files=(), labels=None):
+    """A Prometheus server (Debian's package, installed by install.sh) scraping ``targets`` (role name ->
+    metrics port) every second; fails in CI, skips elsewhere, when it cannot start."""
+    from launch.stack.components import BinaryMissing
+    from launch.stack.prometheus import Prometheus
+
+    try:
+        return Prometheus(data_dir, port, targets, rule_files, labels=labels or {}).start()
+    except (BinaryMissing, RuntimeError) as exc:
+        service_unavailable(f"prometheus did not start: {exc}")

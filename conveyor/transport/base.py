@@ -113,6 +113,11 @@ class Consumer(Protocol):
         the admission ledger, the newest weights announcement)."""
         ...
 
+    async def lag(self) -> dict[TopicPartition, int]:
+        """Per assigned partition, the records past this consumer's position, as of the end the
+        broker last reported (no request: for metrics)."""
+        ...
+
     async def close(self) -> None:
         """Leave the group without committing; uncommitted records are redelivered."""
         ...

@@ -359,6 +359,14 @@ class KafkaConsumer:
                 return False
         return True
 
+    async def lag(self) -> dict[TopicPartition, int]:
+        out = {}
+        for tp in list(self._consumer.assignment()):
+            end = self._consumer.highwater(tp)  # from the last fetch response: None before the first
+            if end is not None:
+                out[TopicPartition(tp.topic, tp.partition)] = max(0, end - await self._consumer.position(tp))
+        return out
+
     async def close(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()

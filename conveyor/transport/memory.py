@@ -237,6 +237,9 @@ class MemoryConsumer:
             self._positions[tp] >= len(self._broker.topics[tp.topic][tp.partition]) for tp in self._assigned
         )
 
+    async def lag(self) -> dict[TopicPartition, int]:
+        return {tp: len(self._broker.topics[tp.topic][tp.partition]) - self._positions[tp] for tp in self._assigned}
+
     async def close(self) -> None:
         if not self._started:
             return

@@ -24,6 +24,20 @@ def run(
     budget: float = typer.Option(120.0, help="Seconds to run before draining (0: until Ctrl-C)."),
     warmup_steps: int = typer.Option(800, help="Warm-up steps of the default model."),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
+    metrics_from: int | None = typer.Option(
+        None,
+        "--metrics-from",
+        min=1024,
+        max=65000,
+        help="Each role serves Prometheus metrics on its own port from this one; with --prometheus, scraped.",
+    ),
+    prometheus: int | None = typer.Option(
+        None,
+        "--prometheus",
+        min=1024,
+        max=65535,
+        help="Start a Prometheus server on this port scraping every role (Debian's prometheus package).",
+    ),
 ) -> None:
     """Run every role as its own process (conveyor serve <role>), meeting only through topics, Celery and S3."""
     from conveyor.config import load_run_config
@@ -34,6 +48,8 @@ def run(
     from launch.supervisor import Supervisor, resolve_for_stack, write_run_config
 
     configure_logging("run", fmt="console", level="info")
+    if prometheus is not None and metrics_from is None:
+        raise typer.BadParameter("--prometheus scrapes the roles' metrics: give --metrics-from too", param_hint="--prometheus")
     if stack != "local":
         raise typer.BadParameter("only --stack local is built in; for Kubernetes see deploy/", param_hint="--stack")
     try:
@@ -54,8 +70,20 @@ def run(
     path = write_run_config(run_dir, resolve_for_stack(cfg, st.endpoints()))
     model_dir = given_model or warmed_tiny_policy(run_dir / "model", warmup_steps)
     sup = Supervisor(run_dir, path, model_dir, rollout_workers=rollout_workers, reward_workers=reward_workers,
-                     evaluator=cfg.eval.every > 0)  # fmt: skip
+                     evaluator=cfg.eval.every > 0, metrics_port_base=metrics_from)  # fmt: skip
     typer.echo(f"run {cfg.run_id}: config {path}, logs {run_dir / 'logs'}")
+    if sup.metrics_ports:
+        typer.echo("metrics: " + ", ".join(f"{name} :{port}" for name, port in sup.metrics_ports.items()))
+    server = None
+    if prometheus is not None:
+        from launch.stack.prometheus import BinaryMissing, Prometheus
+
+        try:
+            server = Prometheus(run_dir / "prometheus", prometheus, sup.metrics_ports, interval_s=5.0).start()
+        except (BinaryMissing, RuntimeError) as exc:
+            typer.secho(f"prometheus did not start: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
+        typer.echo(f"prometheus: {server.url} (load deploy/grafana/conveyor-dashboard.json in Grafana)")
     sup.start()
     started = time.monotonic()
     try:
@@ -65,6 +93,8 @@ def run(
     except KeyboardInterrupt:
         typer.echo("stopping (draining front to back)...")
     codes = sup.stop()
+    if server is not None:
+        server.stop()
     restarts = {n: r.restarts for n, r in sup.roles.items() if r.restarts}
     typer.echo(json.dumps({"exit_codes": codes, "restarts": restarts}))
     failed = {name: code for name, code in codes.items() if code != 0}

@@ -31,7 +31,7 @@ def _load(config: Path, role: str):
     except ConfigError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level)
+    configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level, run_id=cfg.run_id)
     from tasks import registry
 
     try:

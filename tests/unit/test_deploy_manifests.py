@@ -15,7 +15,7 @@ from conftest import ROOT
 from conveyor.config import parse_run_config
 
 DEPLOY = ROOT / "deploy"
-CRD_SCHEMAS = {"ScaledObject": "keda-scaledobject.json", "PodMonitor": "podmonitor.json"}
+CRD_SCHEMAS = {"ScaledObject": "keda-scaledobject.json", "PodMonitor": "podmonitor.json", "PrometheusRule": "prometheusrule.json"}
 
 
 def docs():
@@ -92,18 +92,28 @@ def test_compose_file_and_its_run_config():
 
 
 def test_grafana_dashboard_queries_metrics_the_code_exports():
+    """Every series a panel asks for is one the services export (the integration test runs every
+    query against a real Prometheus scraping a run); panels follow the datasource and role variables."""
+    import re
+    from collections import Counter
+
+    from conveyor.metrics import LearnerMetrics, RewardMetrics, RolloutMetrics, SinkMetrics, TransportMetrics, make_registry
+    from producers.api import ApiCollector
+
     dash = json.loads((DEPLOY / "grafana" / "conveyor-dashboard.json").read_text())
-    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
-    for metric in ("conveyor_messages_published_total", "conveyor_messages_consumed_total",
-                   "conveyor_messages_dead_lettered_total", "conveyor_publish_seconds_bucket",
-                   "conveyor_weight_swap_seconds_bucket", "conveyor_weight_swaps_refused_total",
-                   "conveyor_worker_policy_version", "conveyor_generated_tokens_total"):  # fmt: skip
-        assert metric in exprs
-    from prometheus_client import generate_latest
-
-    from conveyor.metrics import RolloutMetrics
-
-    exported = generate_latest(RolloutMetrics.create().registry).decode()
-    for metric in ("conveyor_weight_swap_seconds_bucket", "conveyor_weight_swaps_refused_total",
-                   "conveyor_worker_policy_version", "conveyor_generated_tokens_total"):  # fmt: skip
-        assert metric in exported
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["role"]["datasource"]["uid"] == "${datasource}" and variables["role"]["includeAll"]
+    targets = [t for p in dash["panels"] if p["type"] != "row" for t in p["targets"]]
+    assert all(t["datasource"]["uid"] == "${datasource}" for t in targets)
+    registry = make_registry()
+    for kind in (TransportMetrics, RolloutMetrics, RewardMetrics, SinkMetrics, LearnerMetrics):
+        kind.create(registry)
+    registry.register(ApiCollector({"r": 1}, Counter({422: 1})))
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    exported = {f.name + end for f in registry.collect() for end in suffixes[f.type]}
+    for t in targets:
+        for metric in re.findall(r"\b(conveyor_[a-z_]+)\{", t["expr"]):
+            assert metric in exported, f"{metric} is exported by no service"
+        for selector in re.findall(r"\b(?:conveyor|process)_[a-z_]+(\{[^}]*\})", t["expr"]):
+            assert 'role=~"$role"' in selector, t["expr"]

@@ -6,39 +6,24 @@ deploy/k8s/conveyor.yaml is exactly its default render (deploy/render-k8s.sh).""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
 import yaml
-from conftest import ROOT, service_unavailable
+from chart_support import CHART, CREDENTIALS, helm_binary, render
+from conftest import ROOT
 from test_deploy_manifests import validate_object as validate
 
 from conveyor.config import parse_run_config
 from conveyor.topics import Topics
 
-CHART = ROOT / "deploy" / "helm" / "conveyor"
-CREDENTIALS = "s3.existingSecret=conveyor-s3"  # what deploy/render-k8s.sh passes: a Secret the operator made
 WORKLOADS = ("Deployment", "StatefulSet")
-CRD_KINDS = ("ScaledObject", "PodMonitor")
+CRD_KINDS = ("ScaledObject", "PodMonitor", "PrometheusRule")
 
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    found = shutil.which("helm") or (str(ROOT / ".tools/bin/helm") if (ROOT / ".tools/bin/helm").exists() else None)
-    if found is None:
-        service_unavailable("helm is not installed (bash install.sh puts it in .tools/bin)")
-    return found
-
-
-def render(helm: str, *sets: str, release: str = "conveyor", check: bool = True) -> subprocess.CompletedProcess:
-    """`helm template` with ``sets``; the operator's S3 Secret unless ``sets`` name S3 credentials."""
-    if not any(s.startswith("s3.") for s in sets):
-        sets = (CREDENTIALS, *sets)
-    cmd = [helm, "template", release, str(CHART), "--namespace", "conveyor"]
-    for s in sets:
-        cmd += ["--set", s]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=check)
+    return helm_binary()
 
 
 def objects(text: str) -> dict[tuple[str, str], dict]:
@@ -241,10 +226,10 @@ def test_release_names_too_long_for_kubernetes_are_refused(helm):
 
 def test_crd_objects_are_off_by_default_and_valid_when_on(helm):
     assert not [k for k in objects(render(helm).stdout) if k[0] in CRD_KINDS]
-    objs = objects(render(helm, "autoscaling.enabled=true", "monitoring.podMonitor=true",
+    objs = objects(render(helm, "autoscaling.enabled=true", "monitoring.podMonitor=true", "monitoring.prometheusRule=true",
                           "monitoring.podMonitorLabels.release=prometheus").stdout)  # fmt: skip
     for doc in objs.values():
-        validate(doc)  # the CRDs against the vendored KEDA / PodMonitor schemas
+        validate(doc)  # the CRDs against the vendored KEDA / PodMonitor / PrometheusRule schemas
     cfg = run_config(objs)
     topics = Topics(cfg.run_id)
     kafka = objs[("ScaledObject", "conveyor-rollout-worker")]["spec"]["triggers"][0]["metadata"]
@@ -255,6 +240,14 @@ def test_crd_objects_are_off_by_default_and_valid_when_on(helm):
     monitor = objs[("PodMonitor", "conveyor")]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert all(selects(monitor["spec"]["selector"]["matchLabels"], labels) for labels in pod_labels_of(objs).values())
+    # the labels the dashboard and the rules select by: role (the component) and release
+    relabel = {r["targetLabel"]: r["sourceLabels"] for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]}
+    assert relabel["role"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+    assert relabel["release"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
+    rules = objs[("PrometheusRule", "conveyor")]["spec"]["groups"][0]["rules"]
+    assert {r["alert"] for r in rules} == {"ConveyorLearnerStalled", "ConveyorConsumerLagGrowing",
+                                           "ConveyorDeadLettersRising", "ConveyorRewardCollapsed"}  # fmt: skip
+    assert all('namespace="conveyor", release="conveyor"' in r["expr"] for r in rules)  # this release's series only
 
 
 def test_values_users_change(helm):

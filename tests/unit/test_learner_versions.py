@@ -115,3 +115,5 @@ async def test_the_step_rows_are_served_as_prometheus_series(tmp_path):
     # Every sample of every step, trained or not, in the staleness histogram.
     assert got[("conveyor_learner_sample_staleness_versions_count", ())] == 6
     assert got[("conveyor_learner_step_seconds_count", ())] == len(rows) == 3
+    for phase, column in (("wait", "wait_s"), ("compute", "step_s"), ("publish", "publish_s")):  # the step's time split
+        assert got[("conveyor_learner_phase_seconds_total", (("phase", phase),))] == pytest.approx(sum(r[column] for r in rows))

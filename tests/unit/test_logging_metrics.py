@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import json
 
 import structlog
@@ -38,10 +39,17 @@ def test_library_log_lines_are_json_lines_too(capsys):
     except ValueError:
         logging.getLogger("botocore").exception("request failed")
     logging.getLogger("celery").debug("hidden")
+    import socket
+    import threading
+
+    thread = threading.Thread(target=lambda: logging.getLogger("s3transfer").warning("retrying part"))
+    thread.start()
+    thread.join()
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
-    assert [(x["logger"], x["event"], x["service"], x["run_id"]) for x in lines] == [
-        ("aiokafka.consumer", "heartbeat failed for group-1", "storage-sink", "r2"),
-        ("botocore", "request failed", "storage-sink", "r2"),
+    assert [(x["logger"], x["event"], x["service"], x["run_id"], x["host"]) for x in lines] == [
+        ("aiokafka.consumer", "heartbeat failed for group-1", "storage-sink", "r2", socket.gethostname()),
+        ("botocore", "request failed", "storage-sink", "r2", socket.gethostname()),
+        ("s3transfer", "retrying part", "storage-sink", "r2", socket.gethostname()),  # another thread: the same fields
     ]
     assert "ValueError: boom" in lines[1]["exception"]
     structlog.reset_defaults()
@@ -64,3 +72,29 @@ async def test_transport_metrics_count_what_happened():
     assert 'conveyor_messages_published_total{topic="tasks"} 1.0' in text
     assert 'conveyor_messages_consumed_total{topic="tasks"} 1.0' in text
     assert 'conveyor_messages_dead_lettered_total{reason="DecodeError",topic="tasks"} 1.0' in text
+
+
+async def test_consumer_lag_is_a_gauge_per_partition_and_publish_latency_is_timed(monkeypatch):
+    from conveyor import messaging
+
+    monkeypatch.setattr(messaging, "LAG_EVERY_S", 0.0)  # every poll refreshes the gauges
+    registry = make_registry()
+    metrics = TransportMetrics.create(registry)
+    transport = MemoryTransport(partitions=2)
+    await transport.create_topics([])
+    producer = transport.producer()
+    pub = Publisher(producer, "tasks", metrics=metrics)
+    for i in range(6):
+        await pub.publish_and_wait(Task(task_id=f"t{i}", run_id="r", prompt="p"), f"k{i}")
+    sub = Subscriber(transport, ["tasks"], "g", Task, dead_letters=DeadLetterSink(producer, "dl", "s"), metrics=metrics)
+    await sub.start()
+    got = await sub.poll(timeout_s=0.1, max_records=2)
+    lag = {p: registry.get_sample_value("conveyor_consumer_lag_records", {"topic": "tasks", "partition": p, "group": "g"})
+           for p in ("0", "1")}  # fmt: skip
+    assert len(got) == 2 and sum(lag.values()) == 4  # six published, two read
+    await sub.poll(timeout_s=0.1)
+    assert registry.get_sample_value("conveyor_consumer_lag_records", {"topic": "tasks", "partition": "0", "group": "g"}) == 0
+    await asyncio.sleep(0)  # the acknowledgements' callbacks run on the loop's next turn
+    assert registry.get_sample_value("conveyor_publish_seconds_count", {"topic": "tasks"}) == 6
+    await sub.close()  # its partitions' series go with it
+    assert registry.get_sample_value("conveyor_consumer_lag_records", {"topic": "tasks", "partition": "0", "group": "g"}) is None

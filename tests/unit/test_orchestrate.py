@@ -70,3 +70,18 @@ def test_a_childs_config_carries_the_secrets_in_clear_and_no_broker_security_for
     assert data["celery"]["password"] == "s3cret"  # not **********: the child must connect with it
     assert data["transport"]["security_protocol"] == "PLAINTEXT" and "sasl_password" not in data["transport"]
     parse_run_config(data, "child")  # and the child can load it
+
+
+def test_each_role_gets_its_own_metrics_port_and_the_config_takes_it(tmp_path, monkeypatch):
+    sup = Supervisor(tmp_path, tmp_path / "run.yaml", tmp_path, rollout_workers=2, reward_workers=2, metrics_port_base=9500)
+    ports = sup.metrics_ports
+    assert set(ports) == set(sup.roles) and sorted(ports.values()) == list(range(9500, 9500 + len(sup.roles)))
+    out = tmp_path / "port"
+    role = sup.roles["rollout-worker-1"]
+    role.argv = [sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(os.environ['CONVEYOR_METRICS__PORT'])"]
+    role.start()
+    role.proc.wait(10)
+    assert int(out.read_text()) == ports["rollout-worker-1"]
+    monkeypatch.setenv("CONVEYOR_METRICS__PORT", out.read_text())  # what `conveyor serve` then reads, over the file's
+    assert parse_run_config({"run_id": "x", "metrics": {"port": 9400}}).metrics.port == ports["rollout-worker-1"]
+    assert Supervisor(tmp_path, tmp_path / "run.yaml", tmp_path).metrics_ports == {}  # none given: the config's

@@ -10,6 +10,7 @@ import pytest
 from conveyor.config import BridgeConfig
 from conveyor.contracts import ScoredRollout, Task, VerifierSpec
 from conveyor.messaging import ServiceClients
+from conveyor.metrics import RewardMetrics, make_registry
 from conveyor.topics import Topics
 from conveyor.transport.memory import MemoryTransport
 from reward.bridge import DrainTimeout, RewardBridge
@@ -60,7 +61,9 @@ async def _scored(io, topics) -> list[str]:
 async def test_a_slow_reward_task_holds_back_only_itself(tmp_path):
     transport, topics, io = await _setup(6)
     scorer = HeldScorer({"t1"})
-    bridge = RewardBridge(transport, topics, scorer, lambda ids: "x", BridgeConfig(max_batch=2))  # three polls' worth
+    registry = make_registry()
+    bridge = RewardBridge(transport, topics, scorer, lambda ids: "x", BridgeConfig(max_batch=2),  # three polls' worth
+                          metrics=RewardMetrics.create(registry))  # fmt: skip
     stop = asyncio.Event()
     run = asyncio.create_task(bridge.run(stop))
     for _ in range(100):
@@ -70,10 +73,14 @@ async def test_a_slow_reward_task_holds_back_only_itself(tmp_path):
     assert sorted(await _scored(io, topics)) == ["t0", "t2", "t3", "t4", "t5"]  # all but the held one
     group = transport.broker.groups[topics.group("reward-bridge")]
     assert sum(group.committed.values()) == 1  # committed up to t1, never past it
+    assert registry.get_sample_value("conveyor_reward_in_flight_rollouts") == 1  # the held one
     scorer.release.set()
     stop.set()
     await asyncio.wait_for(run, 10)
     assert sum(group.committed.values()) == 6 and bridge.scored == 6
+    verdicts = {"kind": "python_program", "verdict": "pass"}
+    assert registry.get_sample_value("conveyor_reward_verdicts_total", verdicts) == 6
+    assert registry.get_sample_value("conveyor_reward_scoring_seconds_count", {"kind": "python_program"}) == 6
     await io.__aexit__(None, None, None)
 
 

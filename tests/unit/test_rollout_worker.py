@@ -41,8 +41,9 @@ async def _pipeline(tmp_path, engine, *, n_tasks=6, announce=(), max_inflight=4,
     transport = MemoryTransport(partitions=2)
     await transport.create_topics(topics.specs(2))
     store = LocalObjectStore(tmp_path / "objects")
-    worker = RolloutWorker(transport, topics, engine, store, learner_batch_samples=64, max_lag=100,
-                           tasks_per_batch=2, max_inflight_tasks=max_inflight, **worker_kw)  # fmt: skip
+    worker_kw = {"learner_batch_samples": 64, "max_lag": 100, **worker_kw}
+    worker = RolloutWorker(transport, topics, engine, store, tasks_per_batch=2, max_inflight_tasks=max_inflight,
+                           **worker_kw)  # fmt: skip
     rng = random.Random(0)
     problems = sample_problems(rng)
     async with ServiceClients(transport, topics.dead_letter, "test") as io:
@@ -110,6 +111,21 @@ async def test_swaps_to_announced_weights_and_refuses_bad_ones(tmp_path, model_d
     assert sample("conveyor_weight_swaps_refused_total") == 2 and sample("conveyor_weight_swap_seconds_count") == 1
     assert sample("conveyor_worker_policy_version") == 1 and sample("conveyor_generated_tokens_total") == worker.tokens > 0
     assert len(rollouts) == 18 and {s.policy_version for r in rollouts for s in r.version_segments} == {1}
+
+
+async def test_admission_holding_tasks_back_is_measured(tmp_path, model_dir):
+    from conveyor.metrics import RolloutMetrics
+
+    metrics = RolloutMetrics.create()
+    # One learner batch of 3 samples and no lag: the first task's group fills the window, and with
+    # no learner reporting progress the other five wait for admission.
+    worker, rollouts, _, error = await _pipeline(tmp_path, ReferenceEngine(model_dir, seed=0), metrics=metrics,
+                                                 learner_batch_samples=3, max_lag=0)  # fmt: skip
+    assert error is None and len(rollouts) == 3
+    sample = lambda name: metrics.registry.get_sample_value(name)  # noqa: E731
+    assert sample("conveyor_rollout_tasks_waiting_admission") >= 1
+    assert sample("conveyor_rollout_admission_wait_seconds_total") > 1.0  # held most of the 10 s the test waits
+    assert sample("conveyor_rollout_tasks_running") == 0 and sample("conveyor_rollout_sequences_in_flight") == 0
 
 
 class _Crashing(ReferenceEngine):

@@ -12,6 +12,7 @@ from unit.test_lake_codec import scored
 
 from conveyor.config import SinkConfig
 from conveyor.messaging import Publisher
+from conveyor.metrics import SinkMetrics, make_registry
 from conveyor.objectstore import LocalObjectStore
 from conveyor.topics import Topics
 from conveyor.transport import TopicPartition
@@ -70,7 +71,9 @@ async def test_later_flushes_finish_first_but_offsets_commit_in_order(tmp_path):
 
     store = GatedStore(tmp_path)
     first = store.gates[0] = threading.Event()
-    sink = StorageSink(transport, topics, store, SinkConfig(flush_rows=10, flush_s=60.0, max_inflight=2))
+    registry = make_registry()
+    sink = StorageSink(transport, topics, store, SinkConfig(flush_rows=10, flush_s=60.0, max_inflight=2),
+                       metrics=SinkMetrics.create(registry))  # fmt: skip
     stop = asyncio.Event()
     run = asyncio.create_task(sink.run(stop))
     tp = TopicPartition(topics.scored, 0)
@@ -93,6 +96,11 @@ async def test_later_flushes_finish_first_but_offsets_commit_in_order(tmp_path):
     assert transport.broker.groups[topics.group("storage-sink")].committed[tp] == 40
     assert store.in_flight_max == 2
     assert sorted(s.rollout_id for s in LakeReader(store, "r").iter()) == sorted(r.rollout_id for r in rows)
+    parts = [o for o in store.list("runs/r/lake/") if o.key.endswith(".parquet")]
+    assert registry.get_sample_value("conveyor_lake_rows_total") == 40
+    assert registry.get_sample_value("conveyor_lake_parts_total") == len(parts) >= 3
+    assert registry.get_sample_value("conveyor_lake_bytes_total") == sum(o.size for o in parts)
+    assert registry.get_sample_value("conveyor_lake_flush_seconds_count") >= 3
 
 
 def test_max_inflight_below_one_is_refused():
