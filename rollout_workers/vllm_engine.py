@@ -117,7 +117,10 @@ class VLLMEngine(Tokenizing):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._swap_lock = asyncio.Lock()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        # Off the event loop: building the engine (its core process's start, the model's load and
+        # warm-up) takes tens of seconds, during which the loop's other work (heartbeats, other
+        # engines starting) goes on. AsyncLLM starts its output handler on the first request then.
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.engine_args))
         log.info("vllm.started", model=str(self.model_dir), speculative=bool(self.engine_args["speculative_config"]))
 
     async def generate(self, request: SamplingRequest) -> list[Completion]:

@@ -41,13 +41,42 @@ async def _start(path, **kw):
     return engine
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(tmp_path_factory):
+async def engines(tmp_path_factory):
+    """The module's engines, started at once (each builds in its own core process: on two cores
+    three starts take about as long as the slowest two one after the other): the default one
+    (torch.compile), and two speculative ones, eager (what is under test there is the speculation,
+    not the compiled graph), with n-gram and with draft-model proposals."""
+    from learner.models import create_tiny_llama
+
     path = tmp_path_factory.mktemp("vllm-model")
     model, tokenizer = _model(path)
-    engine = await _start(path, seed=0)
-    yield engine, model.eval(), tokenizer
-    await engine.close()
+    draft = tmp_path_factory.mktemp("vllm-draft")  # a smaller model over the same vocabulary
+    create_tiny_llama(draft, ALPHABET, seed=7, hidden_size=64, layers=1, heads=2, intermediate_size=128, max_positions=128)
+    started = await asyncio.gather(
+        _start(path, seed=0),
+        _start(path, seed=0, enforce_eager=True, speculative_config=NGRAM),
+        _start(path, seed=0, enforce_eager=True, speculative_config={"model": str(draft), "num_speculative_tokens": 3}),
+        return_exceptions=True,
+    )
+    failed = [e for e in started if isinstance(e, BaseException)]
+    running = [e for e in started if not isinstance(e, BaseException)]
+    if failed:
+        for engine in running:
+            await engine.close()
+        raise failed[0]
+    yield {"plain": running[0], "ngram": running[1], "draft": running[2], "model": model.eval(), "tokenizer": tokenizer,
+           "path": path}  # fmt: skip
+    for engine in running:
+        await engine.close()
+
+
+@pytest.fixture
+def served(engines):
+    return engines["plain"], engines["model"], engines["tokenizer"]
 
 
 def _prompts(tokenizer, k: int) -> list[list[int]]:
@@ -194,31 +223,21 @@ async def test_abort_ends_a_request(served):
     assert all(c.finish_reason == "abort" or (c.finish_reason == "stop" and len(c.token_ids) < 120) for c in out), out
 
 
-async def test_ngram_speculative_decoding_keeps_greedy_output(served, tmp_path):
+async def test_ngram_speculative_decoding_keeps_greedy_output(engines):
     from rollout_workers.engine import SamplingRequest
     from rollout_workers.reference_engine import ReferenceEngine
 
-    _, model, tokenizer = served
-    path = tmp_path / "spec"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    # Eager (no torch.compile): what is under test is the speculation, not the compiled graph;
-    # it starts in 29 s instead of 52 s on two cores.
-    spec = await _start(path, seed=0, enforce_eager=True, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})  # fmt: skip
-    try:
-        prompts = [tokenizer("ab ab ab ab ab", add_special_tokens=False).input_ids] + _prompts(tokenizer, 5)
-        plain = ReferenceEngine(path).generate(prompts, 1, max_new_tokens=40, greedy=True)
-        fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=40, greedy=True)) for p in prompts))
-        assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
-        # Sampled requests are refused: this vLLM build's logprobs under speculation are wrong
-        # (measured: up to 4 nats off, some NaN), and the learner's importance weights need them.
-        from rollout_workers.vllm_engine import SpeculativeLogprobsUnverified
+    spec, tokenizer, path = engines["ngram"], engines["tokenizer"], engines["path"]
+    prompts = [tokenizer("ab ab ab ab ab", add_special_tokens=False).input_ids] + _prompts(tokenizer, 5)
+    plain = ReferenceEngine(path).generate(prompts, 1, max_new_tokens=40, greedy=True)
+    fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=40, greedy=True)) for p in prompts))
+    assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
+    # Sampled requests are refused: this vLLM build's logprobs under speculation are wrong
+    # (measured: up to 4 nats off, some NaN), and the learner's importance weights need them.
+    from rollout_workers.vllm_engine import SpeculativeLogprobsUnverified
 
-        with pytest.raises(SpeculativeLogprobsUnverified):
-            await spec.generate(SamplingRequest(prompts[0], n=2, max_tokens=30))
-    finally:
-        await spec.close()
+    with pytest.raises(SpeculativeLogprobsUnverified):
+        await spec.generate(SamplingRequest(prompts[0], n=2, max_tokens=30))
 
 
 async def test_rollout_worker_on_vllm_follows_weights_and_refuses_corrupt_ones(served, tmp_path):
@@ -238,27 +257,12 @@ async def test_rollout_worker_on_vllm_follows_weights_and_refuses_corrupt_ones(s
     assert all(len(r.completion_token_ids) == len(r.behaviour_logprobs) for r in rollouts)
 
 
-async def test_draft_model_speculative_decoding_keeps_greedy_output(served, tmp_path):
-    from learner.models import create_tiny_llama
+async def test_draft_model_speculative_decoding_keeps_greedy_output(engines):
     from rollout_workers.engine import SamplingRequest
     from rollout_workers.reference_engine import ReferenceEngine
 
-    _, model, tokenizer = served
-    target = tmp_path / "target"
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    draft = tmp_path / "draft"  # a smaller model over the same vocabulary
-    create_tiny_llama(draft, ALPHABET, seed=7, hidden_size=64, layers=1, heads=2, intermediate_size=128, max_positions=128)
-    spec = await _start(
-        target,
-        seed=0,
-        enforce_eager=True,  # as in the n-gram test
-        speculative_config={"model": str(draft), "num_speculative_tokens": 3},
-    )
-    try:
-        prompts = _prompts(tokenizer, 6)
-        plain = ReferenceEngine(target).generate(prompts, 1, max_new_tokens=30, greedy=True)
-        fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=30, greedy=True)) for p in prompts))
-        assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
-    finally:
-        await spec.close()
+    spec, tokenizer = engines["draft"], engines["tokenizer"]
+    prompts = _prompts(tokenizer, 6)
+    plain = ReferenceEngine(engines["path"]).generate(prompts, 1, max_new_tokens=30, greedy=True)
+    fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=30, greedy=True)) for p in prompts))
+    assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
