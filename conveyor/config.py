@@ -40,6 +40,7 @@ from conveyor.backend_config import (
     TransportConfig,
     _Section,
 )
+from conveyor.observability_config import LoggingConfig, MetricsConfig, TrackingConfig  # noqa: F401 - re-exported
 
 # The backend sections are part of the run config's interface: importable from here.
 __all__ = [
@@ -390,17 +391,6 @@ class ClaimCheckConfig(_Section):
     key_prefix: str = "claims"
 
 
-class LoggingConfig(_Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["json", "console", "auto"] = "auto"
-    """auto: console on a terminal, JSON lines otherwise."""
-
-
-class MetricsConfig(_Section):
-    port: int | None = Field(None, ge=1, le=65535)
-    """Serve Prometheus metrics on this port; None: do not serve."""
-
-
 class RunConfig(BaseSettings):
     """A whole run: which backends, and how each service is tuned."""
 
@@ -423,6 +413,7 @@ class RunConfig(BaseSettings):
     claim_check: ClaimCheckConfig = Field(default_factory=ClaimCheckConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @field_validator("run_id")
     @classmethod

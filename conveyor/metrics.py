@@ -332,6 +332,19 @@ def process_sink_metrics() -> SinkMetrics | None:
     return _sink
 
 
+_tracker_failures: Counter | None = None
+
+
+def process_tracker_failures() -> Counter | None:
+    """Calls an experiment tracker failed (conveyor/tracking.py), on the process registry."""
+    global _tracker_failures
+    if _tracker_failures is None and _registry is not None:
+        _tracker_failures = Counter(
+            "conveyor_tracker_failures", "Experiment-tracker calls that failed (the run went on)", registry=_registry
+        )
+    return _tracker_failures
+
+
 def process_registry() -> CollectorRegistry | None:
     """The registry served on the process's metrics port (None in embedded mode)."""
     return _registry

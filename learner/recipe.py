@@ -61,6 +61,7 @@ from conveyor.messaging import ClaimCheck, ServiceClients, Subscriber
 from conveyor.metrics import process_learner_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
+from conveyor.tracking import Tracker
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from learner.admitted_window import AdmittedWindow
 from learner.batching import Batcher
@@ -99,6 +100,7 @@ class GRPOLearner:
         source=None,
         ranks: RankGroup | None = None,
         claim_check: ClaimCheck | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         self.claim_check = claim_check  # messages over its threshold travel through the object store
         self.config = config = config if config is not None else LearnerConfig()
@@ -129,6 +131,7 @@ class GRPOLearner:
         self._partitions_missing: set[TopicPartition] = set()
         self._started = time.monotonic()  # the metrics' wall_s (after the step process's start-up)
         self.prometheus = process_learner_metrics()  # the step rows as Prometheus series, when the process serves them
+        self.tracker = tracker  # an experiment tracker (started by the caller): the step rows and the final model
 
     @property
     def model(self):
@@ -174,6 +177,8 @@ class GRPOLearner:
                 self.prometheus.start(self.counters)  # after a resume: its counts so far are not this process's
             with (self.run_dir / "metrics.jsonl").open("a") as self._metrics:
                 await self._loop(stop, sub)
+        if self.tracker is not None and self.publication.key is not None:
+            self.tracker.log_model(self.store.uri(self.publication.key))
         await asyncio.to_thread(self.close)
 
     def _refuse_to_restart_without_checkpoints(self) -> None:
@@ -189,8 +194,10 @@ class GRPOLearner:
 
     def close(self) -> None:
         """Stop the trainer: the step process, if any (the model here keeps the last weights), or
-        the other ranks."""
+        the other ranks; then flush the tracker."""
         self.trainer.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
     async def _loop(self, stop: asyncio.Event, sub: Subscriber) -> None:
         pub, every = self.publication, self.config.checkpoint_every
@@ -287,6 +294,8 @@ class GRPOLearner:
         self._metrics.flush()
         if self.prometheus is not None:
             self.prometheus.observe(row, self.counters)
+        if self.tracker is not None:
+            self.tracker.log(self.step, row)
 
     # ---------------------------------------------------------- checkpoints
     async def checkpoint(self, sub: Subscriber | None = None) -> str:

@@ -113,3 +113,26 @@ def evaluate(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"data": str(data), "model": model, "run": run, **report.to_json()}, indent=2))
+    _track(config, out, summary, {"data": str(data), "model": model, "run": run, "version": version, "split": split,
+                                  "k": k, "samples": samples, "temperature": temperature, "engine": engine})  # fmt: skip
+
+
+def _track(config: Path | None, out: Path | None, summary: dict, args: dict) -> None:
+    """The results in the run config's experiment tracker (``tracking:``), if it names one."""
+    if config is None:
+        return
+    from conveyor.config import load_run_config
+    from conveyor.tracking import open_tracker
+
+    cfg = load_run_config(config)
+    tracker = open_tracker(cfg.tracking, (out.parent if out is not None else Path(".")).resolve())
+    if tracker is None:
+        return
+    name = f"eval-{args['run'] or Path(str(args['model'])).name}"
+    tracker.start(name, {"eval": args, "run_config": cfg.model_dump(mode="json")})
+    tracker.log_eval(summary, step=args["version"] or 0)
+    tracker.log_model(str(args["model"] or f"run {args['run']} version {args['version'] or 'newest'}"))
+    tracker.close()
+    if tracker.failures:
+        typer.secho(f"the experiment tracker ({cfg.tracking.type}) failed {tracker.failures} times: see the log",
+                    fg=typer.colors.YELLOW, err=True)  # fmt: skip

@@ -208,7 +208,7 @@ def demo(
 
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="A run directory (runs/<run>).")) -> None:
-    """Draw report.png from a run's metrics."""
+    """Draw a run's curves (reward, pass rate, KL, entropy, loss, throughput, staleness) into report.png and report.html."""
     from launch.report import write_report
 
     typer.echo(write_report(run_dir))

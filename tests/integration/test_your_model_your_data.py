@@ -84,8 +84,8 @@ def write_user_files(work: Path) -> dict[str, Path]:
     return {"base": base, "demos": demos, "train": work / "train.parquet", "test": work / "test.parquet"}
 
 
-def heldout_pass_rate(model: Path, test: Path) -> float:
-    out = conveyor("eval", "--model", model, "--data", test, "--preset", "verl", "--max-tokens", 5, "--stop", "\n")
+def heldout_pass_rate(model: Path, test: Path, *config: str | Path) -> float:
+    out = conveyor("eval", "--model", model, "--data", test, "--preset", "verl", "--max-tokens", 5, "--stop", "\n", *config)
     return figure(out, "eval_pass_at_1")
 
 
@@ -105,7 +105,9 @@ def test_sft_then_rl_on_your_data_then_eval(stack, kafka_cfg, s3_cfg, redis_url,
     s3 = {**s3_cfg.model_dump(mode="json"), "secret_access_key": s3_cfg.secret_access_key.get_secret_value()}
     run_id = f"e2e-{uuid.uuid4().hex[:6]}"
     data = run_config(run_id, kafka, s3, redis_url, lr=LR)
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the user's MLflow: the learner's run and the eval's
     data.update(
+        tracking={"type": "mlflow", "uri": tracking_uri, "project": "e2e"},
         producer={"suite": None, "group_size": 8, "http_port": None},
         data={"files": [str(files["train"])], "preset": "verl", "epochs": 3},
         sampling={"max_tokens": 5, "temperature": 1.0, "stop": ["\n"]},
@@ -150,6 +152,17 @@ def test_sft_then_rl_on_your_data_then_eval(stack, kafka_cfg, s3_cfg, redis_url,
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == TEMPLATE
-    after = heldout_pass_rate(tmp_path / "out", files["test"])
+    after = heldout_pass_rate(tmp_path / "out", files["test"], "--config", path)
     print(json.dumps({"before": before, "after": after, "version": exported["version"], "lr": LR}))
     assert after - before >= MARGIN, (before, after)
+    # The experiment tracker has what metrics.jsonl has, where the policy is, and the eval's result.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("e2e").experiment_id])}
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    history = client.get_metric_history(runs[run_id].info.run_id, "reward_mean")
+    # (a batch that trained nothing repeats its step: the two values come back in either order)
+    assert sorted((m.step, round(m.value, 6)) for m in history) == sorted((r["step"], round(r["reward_mean"], 6)) for r in rows)
+    assert runs[run_id].data.params["learner.lr"] == str(LR) and runs[run_id].data.tags["conveyor.model"].startswith("s3://")
+    assert runs["eval-out"].data.metrics["eval.pass_at_1"] == pytest.approx(after)

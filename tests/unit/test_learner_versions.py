@@ -25,7 +25,7 @@ def _flat(run_id: str, g: int) -> list:
     return [msgspec.structs.replace(s, reward=1.0, verdict="pass") for s in scored_group(run_id, g, 2)]
 
 
-async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int, prometheus=None):
+async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int, prometheus=None, tracker=None):
     from learner.models import create_tiny_llama
     from tasks.suites.pyexpr import ALPHABET
 
@@ -37,6 +37,7 @@ async def _run(tmp_path, groups: list[list], *, wait_for_consumed: int, promethe
         transport, topics, model, tok.pad_token_id, LocalObjectStore(tmp_path / "objects"), cfg, run_dir=tmp_path
     )
     learner.prometheus = prometheus or learner.prometheus
+    learner.tracker = tracker
     producer = transport.producer()
     await producer.start()
     pub = Publisher(producer, topics.scored)
@@ -89,12 +90,16 @@ async def test_the_step_rows_are_served_as_prometheus_series(tmp_path):
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from conveyor.metrics import LearnerMetrics, serve_metrics
+    from conveyor.tracking import TensorBoardBackend, Tracker
 
     prometheus = LearnerMetrics.create()
+    tracker = Tracker(TensorBoardBackend(tmp_path / "tb"))
+    tracker.start("ver", {"learner": {"lr": 3e-4}})
     groups = [scored_group("ver", 0, 2), _flat("ver", 1), scored_group("ver", 3, 2)]
-    learner, _, _ = await _run(tmp_path, groups, wait_for_consumed=6, prometheus=prometheus)
+    learner, _, _ = await _run(tmp_path, groups, wait_for_consumed=6, prometheus=prometheus, tracker=tracker)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -117,3 +122,11 @@ async def test_the_step_rows_are_served_as_prometheus_series(tmp_path):
     assert got[("conveyor_learner_step_seconds_count", ())] == len(rows) == 3
     for phase, column in (("wait", "wait_s"), ("compute", "step_s"), ("publish", "publish_s")):  # the step's time split
         assert got[("conveyor_learner_phase_seconds_total", (("phase", phase),))] == pytest.approx(sum(r[column] for r in rows))
+    # The same rows in the experiment tracker, and where the final policy is.
+    events = EventAccumulator(str(tmp_path / "tb" / "ver"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [
+        (r["step"], pytest.approx(r["reward_mean"])) for r in rows
+    ]
+    model = events.Tensors("model/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert model == learner.store.uri(learner.published_key)
