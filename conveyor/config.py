@@ -40,7 +40,7 @@ from conveyor.backend_config import (
     TransportConfig,
     _Section,
 )
-from conveyor.observability_config import LoggingConfig, MetricsConfig, TrackingConfig  # noqa: F401 - re-exported
+from conveyor.observability_config import LoggingConfig, MetricsConfig, TracingConfig, TrackingConfig  # noqa: F401 - re-exported
 
 # The backend sections are part of the run config's interface: importable from here.
 __all__ = [
@@ -414,6 +414,7 @@ class RunConfig(BaseSettings):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @field_validator("run_id")
     @classmethod

@@ -108,14 +108,15 @@ class Publisher(Generic[M]):
         self.claim_check = claim_check
         self.metrics = metrics
 
-    async def publish(self, msg: M, key: str | None) -> Awaitable[SendResult]:
-        """Enqueue ``msg``; await the result to know the broker has it."""
+    async def publish(self, msg: M, key: str | None, headers: Sequence[tuple[str, bytes]] = ()) -> Awaitable[SendResult]:
+        """Enqueue ``msg``; await the result to know the broker has it. ``headers``: record headers
+        (the trace context, ``conveyor/tracing.py``)."""
         raw = encode(msg)
         if self.claim_check is not None and len(raw) > self.claim_check.threshold_bytes:
             raw = await self.claim_check.wrap(raw, str(type(msg).__struct_config__.tag))
             if self.metrics:
                 self.metrics.claim_checked.labels(self.topic).inc()
-        fut = await self.producer.send(self.topic, raw, key.encode() if key is not None else None)
+        fut = await self.producer.send(self.topic, raw, key.encode() if key is not None else None, headers)
         if self.metrics:
             self.metrics.published.labels(self.topic).inc()
             if isinstance(fut, asyncio.Future):  # the broker's acknowledgement, timed from the enqueue
@@ -123,8 +124,8 @@ class Publisher(Generic[M]):
                 fut.add_done_callback(lambda _: latency.observe(time.monotonic() - sent))
         return fut
 
-    async def publish_and_wait(self, msg: M, key: str | None) -> SendResult:
-        return await (await self.publish(msg, key))
+    async def publish_and_wait(self, msg: M, key: str | None, headers: Sequence[tuple[str, bytes]] = ()) -> SendResult:
+        return await (await self.publish(msg, key, headers))
 
 
 @dataclass(frozen=True)

@@ -36,3 +36,13 @@ class TrackingConfig(_Section):
     """None: $WANDB_MODE, else online (W&B's own default)."""
     max_pending: int = Field(10_000, ge=1)
     """Records waiting for a slow tracker; past it new ones are dropped (counted): it never blocks a step."""
+
+
+class TracingConfig(_Section):
+    """OpenTelemetry traces of each task across the services (``conveyor/tracing.py``)."""
+
+    exporter: Literal["none", "otlp", "console"] = "none"
+    endpoint: str | None = None
+    """OTLP over HTTP (e.g. http://otel-collector:4318/v1/traces); None: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or its default."""
+    sample_ratio: float = Field(0.01, ge=0.0, le=1.0)
+    """Share of tasks traced, decided once at the producer; every later span follows it."""

@@ -61,6 +61,7 @@ from conveyor.messaging import ClaimCheck, ServiceClients, Subscriber
 from conveyor.metrics import process_learner_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
+from conveyor.tracing import start_child
 from conveyor.tracking import Tracker
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from learner.admitted_window import AdmittedWindow
@@ -220,7 +221,12 @@ class GRPOLearner:
                         await pub.report(self.progress())
                     continue
                 waited = time.monotonic() - idle_since
+                # The traced samples' train spans (their traces end at the step that took them).
+                spans = [start_child("train", h, **{"conveyor.rollout_id": rid}) for rid, h in self.batcher.batch_trace.items()]
                 stats, state = await asyncio.to_thread(self._step_and_snapshot, batch)
+                for span in spans:
+                    span.set_attributes({"conveyor.step": self.step, "conveyor.trained": stats["trained_samples"] > 0})
+                    span.end()
                 trained = stats["trained_samples"] > 0
                 self.samples_consumed += sum(len(g) for g in batch)
                 self._last_step = {"reward_mean": stats["reward_mean"], "max_staleness": stats["max_staleness"]}

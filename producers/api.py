@@ -36,6 +36,7 @@ from conveyor.contracts import ChatMessage, SamplingParams, Task, VerifierSpec
 from conveyor.messaging import Publisher
 from conveyor.metrics import process_registry
 from conveyor.topics import Topics, validate_run_id
+from conveyor.tracing import headers_of, tracer
 from conveyor.transport.base import Transport
 from producers.api_guard import Guard
 from producers.api_limits import (
@@ -291,7 +292,12 @@ def create_app(
         pub: Publisher[Task] = Publisher(await on_broker("start producer", producer()), Topics(run_id).tasks)
 
         async def publish_all() -> None:
-            futures = [await pub.publish(t, t.task_id) for t in tasks]
+            futures = []
+            for t in tasks:  # each task's trace starts here (sampled by tracing.sample_ratio)
+                with tracer().start_as_current_span(
+                    "submit", attributes={"conveyor.task_id": t.task_id, "conveyor.via": "http"}
+                ) as span:
+                    futures.append(await pub.publish(t, t.task_id, headers_of(span)))
             await asyncio.gather(*futures)  # the 2xx waits for the broker's acknowledgement of every task
 
         await on_broker("acknowledge the tasks", publish_all())

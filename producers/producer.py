@@ -26,6 +26,7 @@ from conveyor.admission import AdmissionLedger
 from conveyor.contracts import ScoredRollout, Task, attempt_key
 from conveyor.messaging import ClaimCheck, Publisher, ServiceClients
 from conveyor.topics import Topics
+from conveyor.tracing import headers_of, tracer
 from conveyor.transport.base import CommitFailed, Transport
 
 log = structlog.get_logger(__name__)
@@ -133,9 +134,16 @@ class TaskProducer:
                         if task is None:
                             await asyncio.to_thread(self._save_position)
                             return
-                        await pub.publish_and_wait(task, key=task.task_id)
+                        # A trace starts here (sampled by tracing.sample_ratio): the task's record carries it on.
+                        with tracer().start_as_current_span("submit", attributes=_attributes(task)) as span:
+                            await pub.publish_and_wait(task, key=task.task_id, headers=headers_of(span))
                         offered.append((attempt_key(task.task_id, task.attempt), task.group_size))
                         self.position += 1
                 finally:
                     await self.ledger.offer(offered)
             await asyncio.to_thread(self._save_position)  # a clean stop resumes exactly here
+
+
+def _attributes(task: Task) -> dict:
+    return {"conveyor.run_id": task.run_id, "conveyor.task_id": task.task_id, "conveyor.attempt": task.attempt,
+            "conveyor.group_size": task.group_size, "conveyor.verifier": task.verifier.kind}  # fmt: skip

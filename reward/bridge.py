@@ -24,6 +24,7 @@ import math
 import time
 import typing
 from collections import OrderedDict, deque
+from typing import Any
 
 import structlog
 
@@ -33,6 +34,7 @@ from conveyor.limits import MAX_ABS_REWARD
 from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ClaimCheck, Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.metrics import RewardMetrics, process_reward_metrics
 from conveyor.topics import Topics
+from conveyor.tracing import headers_of, start_child, text_headers
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 
 log = structlog.get_logger(__name__)
@@ -80,7 +82,8 @@ class RewardBridge:
         # 200k string ids grew the bridge by 44 % over a 30-minute load run (bench/load.py).
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._partitions: dict[TopicPartition, deque[_Entry]] = {}
-        self._scoring: dict[asyncio.Future, tuple[_Entry, Rollout, str, float]] = {}  # ..., submitted at (monotonic)
+        # future -> (entry, rollout, text, submitted at (monotonic), its score span)
+        self._scoring: dict[asyncio.Future, tuple[_Entry, Rollout, str, float, Any]] = {}
         self._copies: dict[str, list[_Entry]] = {}  # rollout id being scored -> its other deliveries
         self._inflight = 0
         self.metrics = metrics if metrics is not None else process_reward_metrics()  # Prometheus, when served
@@ -135,12 +138,16 @@ class RewardBridge:
         if not fresh:
             return
         rollouts = [r for _, r in fresh.values()]
-        texts, futures = self._submit(rollouts)
+        spans = {rid: start_child("score", e.delivery.record.headers, **{"conveyor.rollout_id": rid})
+                 for rid, (e, _) in fresh.items()}  # fmt: skip
+        texts, futures = self._submit(rollouts, {rid: h for rid, span in spans.items() if (h := text_headers(span))})
         now = time.monotonic()
         for (entry, r), text, fut in zip(fresh.values(), texts, futures):
-            self._scoring[fut] = (entry, r, text, now)
+            self._scoring[fut] = (entry, r, text, now, spans[r.rollout_id])
 
-    def _submit(self, rollouts: list[Rollout]) -> tuple[list[str], list[asyncio.Future]]:
+    def _submit(
+        self, rollouts: list[Rollout], trace: dict[str, dict[str, str]] | None = None
+    ) -> tuple[list[str], list[asyncio.Future]]:
         """Each rollout's completion text, and a future of its verdict (an ``infra`` verdict, never
         an exception, for a rollout that cannot be read or scored: one rollout stops nothing)."""
         texts = [self._text(r) for r in rollouts]
@@ -151,7 +158,10 @@ class RewardBridge:
         futures = [None if r.finish_reason != "error" else _refused(r) for r in rollouts]
         if scored:
             try:
-                got = self.scorer.submit([(rollouts[i].task, attempts[i], rollouts[i].rollout_id) for i in scored])
+                items = [(rollouts[i].task, attempts[i], rollouts[i].rollout_id) for i in scored]
+                # A scorer that runs elsewhere carries the trace on (Celery: in its task headers).
+                carries = trace and getattr(self.scorer, "carries_trace", False)
+                got = self.scorer.submit(items, trace=trace) if carries else self.scorer.submit(items)
             except Exception as exc:  # noqa: BLE001 - the scorer refused the batch: each rollout says why
                 log.error("reward_bridge.submit_failed", rollouts=len(scored), error=repr(exc)[:300])
                 got = [_failed(exc) for _ in scored]
@@ -176,10 +186,12 @@ class RewardBridge:
         """Publish the verdicts that came back; an entry is done once the broker acknowledged it."""
         acks, entries = [], []
         for fut in done:
-            entry, r, text, submitted = self._scoring.pop(fut)
+            entry, r, text, submitted, span = self._scoring.pop(fut)
             verdict = fut.result() if fut.exception() is None else _infra(fut.exception())
             scored = _scored(r, verdict, text)
-            acks.append(await publisher.publish(scored, r.task_id))
+            span.set_attribute("conveyor.verdict", scored.verdict)
+            span.end()
+            acks.append(await publisher.publish(scored, r.task_id, headers_of(span)))
             entries.append(entry)
             if self.metrics:
                 self.metrics.observe(r.task.verifier.kind, scored.verdict, time.monotonic() - submitted, scored.details)

@@ -39,6 +39,7 @@ from celery.signals import worker_process_shutdown
 from conveyor.config import RabbitMQBrokerConfig, RedisBrokerConfig, RewardConfig, RunConfig
 from conveyor.contracts import Task
 from conveyor.errors import ConfigError
+from conveyor.tracing import start_child
 
 log = structlog.get_logger(__name__)
 TASK_NAME = "conveyor.reward.score"
@@ -165,7 +166,14 @@ def make_app(cfg: RunConfig) -> Celery:
         from tasks.verifiers import score_batch
 
         t = msgspec.convert(task, Task)
-        [v] = score_batch(_worker_sandbox(reward), [(t, completion)])
+        # The rollout's trace goes on through the task's headers (the bridge's score span).
+        span = start_child("verify", {k: self.request.get(k) for k in ("traceparent", "tracestate") if self.request.get(k)},
+                           **{"conveyor.rollout_id": rollout_id, "conveyor.verifier": t.verifier.kind})  # fmt: skip
+        try:
+            [v] = score_batch(_worker_sandbox(reward), [(t, completion)])
+            span.set_attribute("conveyor.verdict", v.verdict)
+        finally:
+            span.end()
         if v.verdict == "infra":
             raise SandboxInfraError(f"rollout {rollout_id}: the sandbox did not report a result")
         log.info("scored", rollout_id=rollout_id, verdict=v.verdict, reward=v.reward, attempt=self.request.retries)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -76,6 +76,8 @@ class CeleryScorer:
     ``result_timeout_s`` (or ``max_resubmits`` re-submissions) becomes an ``infra`` verdict.
     """
 
+    carries_trace = True  # submit(trace=) puts each rollout's trace context in its Celery task's headers
+
     def __init__(self, app, *, result_timeout_s: float = 600.0, stuck_after_s: float | None = None,
                  max_resubmits: int = 3, poll_s: float = 0.05, queues: dict[str, str] | None = None) -> None:  # fmt: skip
         self.app = app
@@ -96,8 +98,9 @@ class CeleryScorer:
         self._kv = hasattr(app.backend, "mget") and hasattr(app.backend, "get_key_for_task")
         self.backend = None  # the collector thread's: Celery keeps one backend per thread
 
-    def submit(self, items: Sequence[Item]) -> list[asyncio.Future]:
-        """One future per item, resolved with its Verdict as its task completes."""
+    def submit(self, items: Sequence[Item], trace: Mapping[str, dict[str, str]] | None = None) -> list[asyncio.Future]:
+        """One future per item, resolved with its Verdict as its task completes. ``trace``: rollout
+        id -> the trace context its Celery task carries in its headers (``conveyor/tracing.py``)."""
         loop = asyncio.get_running_loop()
         out: list[asyncio.Future] = []
         for task, completion, rollout_id in items:
@@ -113,7 +116,7 @@ class CeleryScorer:
                     continue
                 now = time.monotonic()
                 args = [msgspec.to_builtins(task), completion, rollout_id]
-                self._pending[rollout_id] = _Pending([(fut, loop)], args, now, now)
+                self._pending[rollout_id] = _Pending([(fut, loop)], args, now, now, headers=(trace or {}).get(rollout_id))
                 self._outbox.append(rollout_id)
         self._ensure_collector()
         self._wake.set()
@@ -150,10 +153,10 @@ class CeleryScorer:
             self._wake.clear()
             with self._lock:
                 outbox, self._outbox = self._outbox, []
-                sends = [(rid, self._pending[rid].args) for rid in outbox if rid in self._pending]
-            for rid, args in sends:
+                sends = [(rid, self._pending[rid].args, self._pending[rid].headers) for rid in outbox if rid in self._pending]
+            for rid, args, headers in sends:
                 try:
-                    self.task.apply_async(args=args, task_id=rid, queue=self._queue(args))
+                    self.task.apply_async(args=args, task_id=rid, queue=self._queue(args), headers=headers)
                 except Exception as exc:  # noqa: BLE001 - the broker is down: sent again below, or infra at the deadline
                     log.warning("reward_task_not_sent", task_id=rid, error=str(exc)[:300])
                     with self._lock:
@@ -192,7 +195,7 @@ class CeleryScorer:
                         p.status, p.since = None, now
                         self.resubmitted += 1
                         log.warning("reward_task_resubmitted", task_id=rid, stuck_s=round(stuck_s, 1), resubmits=p.resubmits)
-                        self.task.apply_async(args=p.args, task_id=rid, queue=self._queue(p.args))
+                        self.task.apply_async(args=p.args, task_id=rid, queue=self._queue(p.args), headers=p.headers)
 
     def _metas(self, ids: list[str]) -> dict[str, dict]:
         backend = self.backend
@@ -231,6 +234,7 @@ class _Pending:
     since: float  # when the task's state last changed (as this scorer saw it)
     status: str | None = None
     resubmits: int = 0
+    headers: dict[str, str] | None = None  # the trace context, in the Celery task's headers
 
 
 def _resolve(fut: asyncio.Future, verdict: Verdict) -> None:

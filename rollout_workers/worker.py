@@ -63,6 +63,7 @@ from conveyor.messaging import ClaimCheck, Delivery, Publisher, ServiceClients, 
 from conveyor.metrics import process_rollout_metrics
 from conveyor.objectstore import ObjectNotFound, ObjectStore, ObjectStoreUnavailable
 from conveyor.topics import Topics
+from conveyor.tracing import headers_of, start_child
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from rollout_workers.engine import (
     BatchingEngine,
@@ -141,6 +142,7 @@ class RolloutWorker:
         self.swap_seconds: list[float] = []
         self.metrics = metrics or process_rollout_metrics()  # Prometheus, when the process serves metrics
         self._held_since: float | None = None  # admission has held every task back since then
+        self._trace_headers: dict[str, tuple] = {}  # task attempt -> its generate span's context, until published
 
     @property
     def bound(self) -> int:
@@ -280,7 +282,8 @@ class RolloutWorker:
             return
         entries = order[:ready]
         del order[:ready]
-        futures = [await publisher.publish(r, r.task_id) for e in entries for r in e[1]]
+        futures = [await publisher.publish(r, r.task_id, headers) for e in entries
+                   for headers in [self._trace_headers.pop(_key(e[0].message), ())] for r in e[1]]  # fmt: skip
         await asyncio.gather(*futures)
         for e in entries:
             e[2] = True
@@ -355,6 +358,21 @@ class RolloutWorker:
         return True
 
     async def _sample_or_refuse(self, delivery: Delivery[Task]) -> list[Rollout]:
+        """The task's rollouts, under a ``generate`` span of the task's trace (its context goes on
+        the rollouts' records)."""
+        task = delivery.message
+        span = start_child("generate", delivery.record.headers, **{"conveyor.task_id": task.task_id,
+                                                                    "conveyor.group_size": task.group_size})  # fmt: skip
+        try:
+            rollouts = await self._generate_or_refuse(delivery)
+            span.set_attribute("conveyor.policy_version", self.engine.version)
+            return rollouts
+        finally:
+            span.end()
+            if headers := headers_of(span):  # a traced task: its rollouts carry the span on
+                self._trace_headers[_key(task)] = headers
+
+    async def _generate_or_refuse(self, delivery: Delivery[Task]) -> list[Rollout]:
         """The task's rollouts; for a task this worker refuses (``rollout_workers/refusals.py``),
         its dead letter and ``error`` rollouts. An engine failure still ends the worker."""
         task = delivery.message

@@ -38,6 +38,7 @@ from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ClaimCheck, Delivery, 
 from conveyor.metrics import SinkMetrics, process_sink_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
+from conveyor.tracing import start_child
 from conveyor.transport.base import CommitFailed, Transport
 from storage.lake import table_from_rows, write_parts
 
@@ -139,6 +140,17 @@ class StorageSink:
     async def _flush_until_stored(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]) -> None:
         delay, started = 0.25, time.monotonic()
         rows = [d.message for d in deliveries]
+        # The traced rollouts' store spans: their traces end when their row is in the lake.
+        spans = [start_child("store", d.record.headers, **{"conveyor.rollout_id": d.message.rollout_id})
+                 for d in deliveries if d.record.headers]  # fmt: skip
+        try:
+            await self._write(sub, deliveries, rows, delay, started)
+        finally:
+            for span in spans:
+                span.end()
+
+    async def _write(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]], rows: list,
+                     delay: float, started: float) -> None:  # fmt: skip
         while True:
             try:
                 parts = await asyncio.to_thread(write_parts, self.store, self.topics.run_id, rows)

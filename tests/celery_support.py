@@ -29,12 +29,13 @@ def broker_section(kind: str, redis_url: str) -> dict:
     return {"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672//"}
 
 
-def write_config(path: Path, kind: str, redis_url: str, queue: str, **reward) -> Path:
+def write_config(path: Path, kind: str, redis_url: str, queue: str, tracing: dict | None = None, **reward) -> Path:
     cfg = {
         "run_id": queue.replace(".", "-"),
         "celery": broker_section(kind, redis_url),
         "reward": {"timeout_s": 6, "soft_time_limit_s": 8, "hard_time_limit_s": 10, "queue": queue, **reward},
         "logging": {"level": "info", "format": "json"},
+        **({"tracing": tracing} if tracing else {}),
     }
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -39,6 +39,9 @@ def _load(config: Path, role: str):
     except registry.RegistryError as exc:
         typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
+    from conveyor.tracing import configure_tracing
+
+    configure_tracing(cfg.tracing, role, cfg.run_id)  # spans of each task's trace (tracing.exporter: none: off)
     if cfg.metrics.port is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # one port per host: torchrun's first rank
         from conveyor.metrics import enable_process_metrics
 

@@ -24,12 +24,13 @@ def celery_run(request, redis_url, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp(f"celery-{request.param}")
     queue = f"it-{request.param}-{uuid.uuid4().hex[:6]}"
-    path = write_config(tmp / "run.yaml", request.param, redis_url, queue)
+    # Spans to the worker's stdout (its log), every trace sampled: the trace test reads them there.
+    path = write_config(tmp / "run.yaml", request.param, redis_url, queue, tracing={"exporter": "console", "sample_ratio": 1.0})
     worker = Worker(path, f"w-{request.param}", tmp)
     try:
         worker.wait_for("ready")
         app = make_app(load_run_config(path))
-        yield app, load_run_config(path)
+        yield app, load_run_config(path), worker
     finally:
         worker.stop()
 
@@ -37,7 +38,7 @@ def celery_run(request, redis_url, tmp_path_factory):
 def test_status_counts_the_workers_on_the_runs_queue(celery_run):
     from launch.status import reward_workers_alive
 
-    _, cfg = celery_run
+    _, cfg, _ = celery_run
     alive = reward_workers_alive(cfg, timeout_s=2.0)
     assert alive["alive"] == 1 and alive["instances"][0].startswith("w-"), alive
     other = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"queue": "nobody-consumes-this"})})
@@ -47,7 +48,7 @@ def test_status_counts_the_workers_on_the_runs_queue(celery_run):
 def test_scores_every_verifier_kind(celery_run):
     from reward.scorers import CeleryScorer
 
-    app, _ = celery_run
+    app, _, _ = celery_run
     scorer = CeleryScorer(app, result_timeout_s=60)
     items = [
         (T("a", "math", answer="2"), r"\boxed{2}", f"a-{uuid.uuid4().hex}"),
@@ -67,7 +68,7 @@ def test_results_are_read_without_subscribing_and_forgotten_after_collection(cel
     once it was collected."""
     from reward.scorers import CeleryScorer
 
-    app, _ = celery_run
+    app, _, _ = celery_run
     scorer = CeleryScorer(app, result_timeout_s=60)
     ids = []
     for b in range(4):
@@ -114,13 +115,32 @@ async def _bridge_once(app, rollouts, deliveries_of_first: int = 2):
 
 
 def test_bridge_publishes_one_scored_rollout_per_rollout(celery_run):
-    app, _ = celery_run
+    app, _, _ = celery_run
     task = T(f"g-{uuid.uuid4().hex[:8]}", "python_tests", tests="assert f() == 3\n")
     rollouts = [make_rollout_for(task, "def f():\n    return 3\n", 0), make_rollout_for(task, "def f():\n    return 4\n", 1)]
     scored = asyncio.run(_bridge_once(app, rollouts))
     assert sorted((s.rollout_id, s.verdict) for s in scored) == sorted(
         [(rollouts[0].rollout_id, "pass"), (rollouts[1].rollout_id, "fail")]
     )
+
+
+def test_a_rollouts_trace_goes_on_in_the_worker_through_the_task_headers(celery_run):
+    from reward.scorers import CeleryScorer
+
+    app, _, worker = celery_run
+    trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]  # the bridge's score span
+    rid = f"t-{uuid.uuid4().hex}"
+    scorer = CeleryScorer(app, result_timeout_s=60)
+
+    async def score():
+        return await asyncio.gather(*scorer.submit([(T("t", "math", answer="2"), r"\boxed{2}", rid)],
+                                                   trace={rid: {"traceparent": f"00-{trace_id}-{parent_id}-01"}}))  # fmt: skip
+
+    [v] = asyncio.run(score())
+    assert v.verdict == "pass"
+    worker.wait_for(f'"trace_id": "0x{trace_id}"', timeout_s=30)  # the worker's verify span, in the same trace
+    span = worker.log.read_text().split(f'"trace_id": "0x{trace_id}"')[0].rsplit('"name": ', 1)[1]
+    assert span.startswith('"verify"') and f'"parent_id": "0x{parent_id}"' in worker.log.read_text()
 
 
 def test_a_verifier_kind_goes_to_its_own_queue(redis_url, tmp_path):
