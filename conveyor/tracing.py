@@ -36,11 +36,12 @@ def tracer() -> trace.Tracer:
     return (_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
 
 
-def configure_tracing(cfg: TracingConfig, service: str, run_id: str, exporter: Any = None) -> Any:
+def configure_tracing(cfg: TracingConfig, service: str, run_id: str, exporter: Any = None, *, batch: bool = False) -> Any:
     """Install the process's tracer provider (``conveyor serve`` and tests): spans of ``service``,
-    sampled by ``cfg.sample_ratio`` at the root, exported by OTLP (``cfg.endpoint``), to stderr
-    (``console``), or to ``exporter`` when given (the tests' in-memory exporter). Returns the
-    provider (None for ``exporter: none`` and no ``exporter``)."""
+    sampled by ``cfg.sample_ratio`` at the root, exported by OTLP (``cfg.endpoint``), to stdout
+    (``console``), or to ``exporter`` when given (the tests' in-memory exporter: each span as it
+    ends, or batched in the background as the others with ``batch``). Returns the provider (None
+    for ``exporter: none`` and no ``exporter``)."""
     if cfg.exporter == "none" and exporter is None:
         return None
     from opentelemetry.sdk.resources import Resource
@@ -53,7 +54,7 @@ def configure_tracing(cfg: TracingConfig, service: str, run_id: str, exporter: A
         sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
     )
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
     elif cfg.exporter == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -113,3 +114,20 @@ def start_child(name: str, headers, **attributes: Any) -> trace.Span:
     if parent is None:
         return trace.INVALID_SPAN
     return tracer().start_span(name, context=parent, attributes=attributes)
+
+
+def by_trace(items: Iterable[tuple[Any, Sequence[tuple[str, bytes]]]]) -> dict[bytes, tuple[Sequence[tuple[str, bytes]], list]]:
+    """Items with record headers, grouped by the trace their headers carry: trace -> (the first
+    item's headers, the items). A stage that handles a task's rollouts together (a learner step, a
+    sink flush) opens one span per task, not one per rollout. Items without a trace are left out."""
+    out: dict[bytes, tuple[Sequence[tuple[str, bytes]], list]] = {}
+    for item, headers in items:
+        parent = next((v for k, v in headers if k == "traceparent"), None) if headers else None
+        if parent is None:
+            continue
+        trace_id = parent[3:35]  # version-traceid-spanid-flags
+        if trace_id in out:
+            out[trace_id][1].append(item)
+        else:
+            out[trace_id] = (headers, [item])
+    return out

@@ -85,7 +85,7 @@ class Batcher:
         self._first_seen: dict[str, float] = {}
         self._waited: set[str] = set()  # incomplete groups a batch has waited for (counted once each)
         self._consumed_records: list = []  # records trained on or dropped since the last commit
-        self.batch_trace: dict[str, tuple] = {}  # the last batch's traced samples: rollout id -> record headers
+        self.batch_trace: list[tuple[str, tuple]] = []  # the last batch's traced samples: (task id, record headers)
 
     # ------------------------------------------------------------ deliveries
     def add(self, d: Delivery[ScoredRollout]) -> None:
@@ -134,7 +134,7 @@ class Batcher:
         complete.sort(key=lambda t: (min(d.message.rollout.min_policy_version for d in self._groups[t].values()),
                                      self._first_seen[t]))  # fmt: skip
         batch = []
-        self.batch_trace = {}
+        self.batch_trace = []
         for task_id in complete[: self.config.batch_groups]:
             group = self._groups.pop(task_id)
             del self._first_seen[task_id]
@@ -142,7 +142,7 @@ class Batcher:
             self._consumed_attempt(group)
             self._consumed_records.extend(d.record for d in group.values())
             batch.append([d.message for d in group.values()])
-            self.batch_trace.update((rid, d.record.headers) for rid, d in group.items() if d.record.headers)
+            self.batch_trace += [(task_id, d.record.headers) for d in group.values() if d.record.headers]
         return batch
 
     def _consumed_attempt(self, group: dict) -> None:

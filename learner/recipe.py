@@ -61,7 +61,7 @@ from conveyor.messaging import ClaimCheck, ServiceClients, Subscriber
 from conveyor.metrics import process_learner_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
-from conveyor.tracing import start_child
+from conveyor.tracing import by_trace, start_child
 from conveyor.tracking import Tracker
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport
 from learner.admitted_window import AdmittedWindow
@@ -221,8 +221,9 @@ class GRPOLearner:
                         await pub.report(self.progress())
                     continue
                 waited = time.monotonic() - idle_since
-                # The traced samples' train spans (their traces end at the step that took them).
-                spans = [start_child("train", h, **{"conveyor.rollout_id": rid}) for rid, h in self.batcher.batch_trace.items()]
+                # A train span per traced task of the batch (under one of its samples' score spans).
+                spans = [start_child("train", h, **{"conveyor.task_id": ids[0], "conveyor.samples": len(ids)})
+                         for h, ids in by_trace(self.batcher.batch_trace).values()]  # fmt: skip
                 stats, state = await asyncio.to_thread(self._step_and_snapshot, batch)
                 for span in spans:
                     span.set_attributes({"conveyor.step": self.step, "conveyor.trained": stats["trained_samples"] > 0})

@@ -38,7 +38,7 @@ from conveyor.messaging import DRAINED_AFTER_EMPTY_POLLS, ClaimCheck, Delivery, 
 from conveyor.metrics import SinkMetrics, process_sink_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
-from conveyor.tracing import start_child
+from conveyor.tracing import by_trace, start_child
 from conveyor.transport.base import CommitFailed, Transport
 from storage.lake import table_from_rows, write_parts
 
@@ -140,9 +140,9 @@ class StorageSink:
     async def _flush_until_stored(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]) -> None:
         delay, started = 0.25, time.monotonic()
         rows = [d.message for d in deliveries]
-        # The traced rollouts' store spans: their traces end when their row is in the lake.
-        spans = [start_child("store", d.record.headers, **{"conveyor.rollout_id": d.message.rollout_id})
-                 for d in deliveries if d.record.headers]  # fmt: skip
+        # A store span per traced task of the flush: its trace ends when its rows are in the lake.
+        spans = [start_child("store", h, **{"conveyor.task_id": ds[0].message.rollout.task_id, "conveyor.rows": len(ds)})
+                 for h, ds in by_trace((d, d.record.headers) for d in deliveries).values()]  # fmt: skip
         try:
             await self._write(sub, deliveries, rows, delay, started)
         finally:

@@ -13,26 +13,18 @@ from collections import defaultdict
 
 import pytest
 
-from conveyor.config import LearnerConfig, SinkConfig
+from bench.tracing import GROUP, pipeline
 from conveyor.objectstore import open_object_store
 from conveyor.observability_config import TracingConfig
 from conveyor.topics import Topics
 from conveyor.tracing import configure_tracing, reset_tracing
 from conveyor.transport import open_transport
-from learner.models import create_tiny_llama
-from learner.recipe import GRPOLearner
-from producers.producer import TaskProducer
-from reward.bridge import RewardBridge
-from reward.scorers import LocalScorer
-from rollout_workers.reference_engine import ReferenceEngine
-from rollout_workers.worker import RolloutWorker
-from storage.sink import StorageSink
-from tasks.suites.pyexpr import ALPHABET, sample_problems, to_task
+from tasks.suites.pyexpr import sample_problems, to_task
 from tests.conftest import open_sandbox
 
 pytestmark = pytest.mark.integration
 
-GROUP, TASKS, RATIO = 4, 16, 0.5
+TASKS, RATIO = 16, 0.5
 CHAIN = ("submit", "generate", "score", "train", "store")
 
 
@@ -52,18 +44,11 @@ async def test_every_sampled_task_is_one_trace_through_five_services(tmp_path, k
     transport = open_transport(kafka_cfg)
     store = open_object_store(s3_cfg)
     await transport.create_topics(topics.specs(2))
-    model, tok = create_tiny_llama(tmp_path / "m", ALPHABET, seed=0, hidden_size=32, layers=2, heads=2, intermediate_size=64)
-    engine = ReferenceEngine(tmp_path / "m", seed=0)
     problems = sample_problems(random.Random(3))
     tasks = [to_task(next(problems), run_id, GROUP, i) for i in range(TASKS)]
-    producer = TaskProducer(transport, topics, iter(tasks), learner_batch_samples=2 * GROUP)
-    worker = RolloutWorker(transport, topics, engine, store, learner_batch_samples=2 * GROUP, max_lag=8, tasks_per_batch=4)
-    bridge = RewardBridge(transport, topics, LocalScorer(open_sandbox(parallel=2)), engine.decode)
-    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store,
-                          LearnerConfig(batch_groups=2, max_lag=8, lr=1e-4, checkpoint_every=0), run_dir=tmp_path)  # fmt: skip
-    sink = StorageSink(transport, topics, store, SinkConfig(flush_rows=16, flush_s=0.5))
+    services = pipeline(transport, store, topics, tmp_path, iter(tasks), open_sandbox(parallel=2))
+    learner, sink = services["learner"], services["storage-sink"]
     stop = asyncio.Event()
-    services = {"producer": producer, "rollout-worker": worker, "reward-bridge": bridge, "learner": learner, "storage-sink": sink}
     runs = {name: asyncio.create_task(s.run(stop)) for name, s in services.items()}
     try:
         for _ in range(1800):
@@ -91,9 +76,13 @@ async def test_every_sampled_task_is_one_trace_through_five_services(tmp_path, k
         names = defaultdict(list)
         for s in trace_spans:
             names[s.name].append(s)
-        # one generate for the task's group; a score, a train and a store per sample
+        # one generate for the task's group, a score per sample; the group trained in one step (a
+        # train span) and stored by one flush or two (a store span each), under its score spans
         assert len(names["generate"]) == 1 and names["generate"][0].attributes["conveyor.task_id"] == task_id, names
-        assert len(names["score"]) == len(names["train"]) == len(names["store"]) == GROUP, {k: len(v) for k, v in names.items()}
+        counts = {k: len(v) for k, v in names.items()}
+        assert len(names["score"]) == GROUP and len(names["train"]) == 1 and names["store"], counts
+        rows = sum(s.attributes["conveyor.rows"] for s in names["store"])
+        assert names["train"][0].attributes["conveyor.samples"] == rows == GROUP
         parent = {s.context.span_id: s for s in trace_spans}
         for s in names["store"] + names["train"]:  # store and train hang from score, score from generate, generate from submit
             chain = [s.name]
