@@ -11,7 +11,9 @@ the work a traced service does, without the collector's own.
 
     python3 bench/tracing.py [--seconds 40] [--pairs 2]
 
-Ends with ``FIGURE tracing_overhead <on / off> x`` (goal >= 0.95).
+Ends with ``FIGURE tracing_overhead <on / off> x`` (goal >= 0.95) and ``FIGURE
+tracing_cpu_per_rollout_ratio <on / off> x``: this process's CPU time per rollout stored, a
+steadier measure of the same cost than throughput on a shared machine.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 """
 
 
-async def one_run(seconds: float, warmup_s: float, traced: bool, sandbox, collector_port: int) -> float:
-    """Rollouts stored per second over ``seconds``, after ``warmup_s``."""
+async def one_run(seconds: float, warmup_s: float, traced: bool, sandbox, collector_port: int) -> tuple[float, float]:
+    """Rollouts stored per second over ``seconds``, after ``warmup_s``, and this process's CPU
+    time per rollout stored (every thread: the tracer's export thread too; not the sandbox's)."""
     from conveyor.objectstore import LocalObjectStore
     from conveyor.observability_config import TracingConfig
     from conveyor.topics import Topics
@@ -109,14 +112,15 @@ async def one_run(seconds: float, warmup_s: float, traced: bool, sandbox, collec
         stop = asyncio.Event()
         runs = [asyncio.create_task(s.run(stop)) for s in services.values()]
         await asyncio.sleep(warmup_s)
-        stored, started = services["storage-sink"].rows_written, time.monotonic()
+        stored, started, cpu = services["storage-sink"].rows_written, time.monotonic(), time.process_time()
         await asyncio.sleep(seconds)
-        rate = (services["storage-sink"].rows_written - stored) / (time.monotonic() - started)
+        done = services["storage-sink"].rows_written - stored
+        rate, cpu_per = done / (time.monotonic() - started), (time.process_time() - cpu) / max(done, 1)
         stop.set()
         await asyncio.gather(*runs, return_exceptions=True)
     if traced:
         reset_tracing()  # flushes the batch processor
-    return rate
+    return rate, cpu_per
 
 
 def main() -> None:
@@ -132,12 +136,15 @@ def main() -> None:
     port = free_port_block(1)
     collector = subprocess.Popen([sys.executable, "-c", COLLECTOR, str(port)])
     rates: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
     try:
         for i in range(args.pairs):
             for traced in (False, True):
-                rate = asyncio.run(one_run(args.seconds, args.warmup, traced, sandbox, port))
+                rate, cpu_per = asyncio.run(one_run(args.seconds, args.warmup, traced, sandbox, port))
                 rates[traced].append(rate)
-                print(f"pair {i}: tracing {'on ' if traced else 'off'} {rate:.1f} rollouts/s", flush=True)
+                cpu[traced].append(cpu_per)
+                print(f"pair {i}: tracing {'on ' if traced else 'off'} {rate:.1f} rollouts/s, "
+                      f"{cpu_per * 1e3:.3f} ms CPU per rollout", flush=True)  # fmt: skip
     finally:
         sandbox.close()
         collector.kill()
@@ -145,6 +152,10 @@ def main() -> None:
     print(f"FIGURE tracing_off_rollouts_per_s {off:.1f} rollouts/s")
     print(f"FIGURE tracing_on_rollouts_per_s {on:.1f} rollouts/s")
     print(f"FIGURE tracing_overhead {on / off:.3f} x")
+    per_pair = [b / a for a, b in zip(rates[False], rates[True])]
+    print(f"tracing_overhead per pair: {', '.join(f'{r:.3f}' for r in per_pair)}")
+    cpu_off, cpu_on = (sum(cpu[k]) / len(cpu[k]) for k in (False, True))
+    print(f"FIGURE tracing_cpu_per_rollout_ratio {cpu_on / cpu_off:.3f} x")
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ class Subscriber(Generic[M]):
             return
         labels = {(tp.topic, str(tp.partition), self.group): n for tp, n in lags.items()}
         for gone in self._lag_labels - labels.keys():
-            self.metrics.lag.remove(*gone)
+            self._drop_lag(gone)
         for key, n in labels.items():
             self.metrics.lag.labels(*key).set(n)
         self._lag_labels = set(labels)
@@ -281,11 +281,16 @@ class Subscriber(Generic[M]):
         return await self.consumer.caught_up()
 
     async def close(self) -> None:
-        if self.metrics:
-            for key in self._lag_labels:
-                self.metrics.lag.remove(*key)
-            self._lag_labels = set()
+        for key in self._lag_labels:
+            self._drop_lag(key)
+        self._lag_labels = set()
         await self.consumer.close()
+
+    def _drop_lag(self, key: tuple[str, str, str]) -> None:
+        try:
+            self.metrics.lag.remove(*key)  # type: ignore[union-attr]  # labels exist only with metrics
+        except KeyError:  # another reader of the same partition in this process removed it
+            pass
 
 
 class ServiceClients:

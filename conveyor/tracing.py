@@ -30,10 +30,13 @@ TRACER_NAME = "conveyor"
 
 
 _provider: Any = None  # the process's (configure_tracing); None: OpenTelemetry's global one (a no-op unless set)
+_tracer: trace.Tracer | None = None  # the process provider's, made once: a span per rollout asks for it
 
 
 def tracer() -> trace.Tracer:
-    return (_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
+    if _tracer is not None:
+        return _tracer
+    return trace.get_tracer_provider().get_tracer(TRACER_NAME)
 
 
 def configure_tracing(cfg: TracingConfig, service: str, run_id: str, exporter: Any = None, *, batch: bool = False) -> Any:
@@ -65,17 +68,17 @@ def configure_tracing(cfg: TracingConfig, service: str, run_id: str, exporter: A
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.endpoint)))
     # Held here, not installed as OpenTelemetry's global provider (which can be set once per process):
     # a test can trace one pipeline and then stop (reset_tracing).
-    global _provider
-    _provider = provider
+    global _provider, _tracer
+    _provider, _tracer = provider, provider.get_tracer(TRACER_NAME)
     return provider
 
 
 def reset_tracing() -> None:
     """Flush and drop the process's tracer provider: spans are no-ops again."""
-    global _provider
+    global _provider, _tracer
     if _provider is not None:
         _provider.shutdown()
-    _provider = None
+    _provider, _tracer = None, None
 
 
 def headers_of(span: trace.Span | None = None) -> tuple[tuple[str, bytes], ...]:

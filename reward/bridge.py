@@ -194,7 +194,8 @@ class RewardBridge:
             acks.append(await publisher.publish(scored, r.task_id, headers_of(span)))
             entries.append(entry)
             if self.metrics:
-                self.metrics.observe(r.task.verifier.kind, scored.verdict, time.monotonic() - submitted, scored.details)
+                kind = r.task.verifier.kind if r.task is not None else "none"  # a rollout may carry no task
+                self.metrics.observe(kind, scored.verdict, time.monotonic() - submitted, scored.details)
         await asyncio.gather(*acks)
         for entry in entries:
             rid = entry.delivery.message.rollout_id

@@ -94,3 +94,30 @@ async def test_a_stop_that_cannot_drain_in_time_raises(tmp_path):
     with pytest.raises(DrainTimeout, match="1 rollouts still unscored"):
         await asyncio.wait_for(run, 10)
     await io.__aexit__(None, None, None)
+
+
+async def test_verdicts_are_counted_by_kind_a_rollout_without_a_task_too():
+    import msgspec
+    from conftest import make_rollout_for
+
+    topics = Topics("nk")
+    transport = MemoryTransport(partitions=1)
+    await transport.create_topics(topics.specs(1))
+    io = ServiceClients(transport, topics.dead_letter, "test")
+    await io.__aenter__()
+    task = Task(task_id="t0", run_id="nk", prompt="p", group_size=1, verifier=VerifierSpec(kind="python_program"))
+    taskless = msgspec.structs.replace(make_rollout_for(task, "print(1)"), task=None)
+    await (await io.publisher(topics.rollouts).publish(taskless, "t0"))
+    registry = make_registry()
+
+    class Judging:  # as the scorers answer a rollout that carries no task
+        def submit(self, items):
+            return [asyncio.ensure_future(asyncio.sleep(0, Verdict(0.0, "error") if t is None else Verdict(1.0, "pass")))
+                    for t, _, _ in items]  # fmt: skip
+
+    bridge = RewardBridge(transport, topics, Judging(), lambda ids: "x", metrics=RewardMetrics.create(registry))
+    stop = asyncio.Event()
+    stop.set()  # drain what is there
+    await asyncio.wait_for(bridge.run(stop), 20)
+    assert registry.get_sample_value("conveyor_reward_verdicts_total", {"kind": "none", "verdict": "error"}) == 1
+    await io.__aexit__(None, None, None)
