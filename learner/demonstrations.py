@@ -88,9 +88,11 @@ def demonstrations(
 
 
 def train_sft(
-    model, examples: list[Example], pad_id: int, *, epochs: int = 1, batch_size: int = 16, lr: float = 2e-5, seed: int = 0
-) -> dict:
-    """Epochs of shuffled mini-batches, negative log-likelihood of the completion tokens."""
+    model, examples: list[Example], pad_id: int, *, epochs: int = 1, batch_size: int = 16, lr: float = 2e-5, seed: int = 0,
+    on_step=None,
+) -> dict:  # fmt: skip
+    """Epochs of shuffled mini-batches, negative log-likelihood of the completion tokens.
+    ``on_step(1, status=...)`` after each step (the CLI's progress)."""
     from learner.sft import sft_step
 
     if not examples:
@@ -104,4 +106,6 @@ def train_sft(
         for i in range(0, len(order), batch_size):
             batch = order[i : i + batch_size]
             losses.append(sft_step(model, opt, [p for p, _ in batch], [c for _, c in batch], pad_id))
+            if on_step is not None:
+                on_step(1, status=f"loss {losses[-1]:.3f}")
     return {"examples": len(examples), "steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1]}

@@ -76,12 +76,13 @@ async def evaluate(
     max_tokens: int = 512,
     top_p: float = 1.0,
     stop: tuple[str, ...] = (),
+    on_task=None,
 ) -> EvalReport:
     """Sample and judge every task (an opened engine: ``rollout_workers.engines.open_engine``).
 
     ``samples`` (default ``k``) completions per task; ``temperature`` defaults to 0 (greedy) for
     one sample and to 1 otherwise. A task's own ``sampling`` wins for its length and stop strings
-    (``max_tokens`` and ``stop`` are for tasks without)."""
+    (``max_tokens`` and ``stop`` are for tasks without). ``on_task(1)`` as each task is sampled."""
     n = samples or k
     if k < 1 or n < k:
         raise ValueError(f"need 1 <= k <= samples (k={k}, samples={n})")
@@ -103,6 +104,8 @@ async def evaluate(
             greedy=temp == 0.0,
         )
         completions = await engine.generate(request)
+        if on_task is not None:  # sampled (the CLI's progress; judging follows, in one batch)
+            on_task(1)
         return [cut_at_stop_strings(c, texts, engine.decode) for c in completions] if texts else completions
 
     sampled = await asyncio.gather(*(sample(t) for t in tasks))

@@ -17,6 +17,7 @@ import typer
 
 from launch.cli import models
 from launch.cli.exits import fail
+from launch.cli.progress import progress
 from launch.cli.runs import CONFIG, STORE, open_store
 
 
@@ -86,16 +87,18 @@ def evaluate(
         async def main():
             await eng.start()
             try:
-                return await run_eval(
-                    eng,
-                    sandbox,
-                    tasks,
-                    k=k,
-                    samples=samples,
-                    temperature=temperature,
-                    max_tokens=max_tokens,
-                    stop=tuple(stop or ()),
-                )
+                with progress("eval", len(tasks), unit="tasks") as advance:
+                    return await run_eval(
+                        eng,
+                        sandbox,
+                        tasks,
+                        k=k,
+                        samples=samples,
+                        temperature=temperature,
+                        max_tokens=max_tokens,
+                        stop=tuple(stop or ()),
+                        on_task=advance,
+                    )
             finally:
                 await eng.close()
 

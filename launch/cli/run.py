@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from launch.cli import models
+from launch.cli.progress import progress
 
 
 def run(
@@ -87,9 +88,14 @@ def run(
     sup.start()
     started = time.monotonic()
     try:
-        while budget <= 0 or time.monotonic() - started < budget:
-            sup.tick()
-            time.sleep(0.5)
+        with progress(f"run {cfg.run_id}", budget if budget > 0 else None, unit="s") as advance:
+            last = started
+            while budget <= 0 or time.monotonic() - started < budget:
+                sup.tick()
+                time.sleep(0.5)
+                now = time.monotonic()
+                advance(now - last, status=_learner_status(run_dir / "metrics.jsonl", sup))
+                last = now
     except KeyboardInterrupt:
         typer.echo("stopping (draining front to back)...")
     codes = sup.stop()
@@ -116,3 +122,18 @@ def status(
     if not path.exists():
         raise typer.BadParameter(f"no config at {path}; pass --config", param_hint="--config")
     typer.echo(json.dumps(asyncio.run(collect(load_run_config(path))), indent=2, default=str))
+
+
+def _learner_status(metrics: Path, sup) -> str:
+    """The learner's newest step (the last line of its metrics.jsonl) and the roles that are up."""
+    up = sum(1 for pid in sup.alive().values() if pid)
+    try:
+        with metrics.open("rb") as fh:
+            fh.seek(max(0, metrics.stat().st_size - 8192))
+            row = json.loads(fh.read().decode(errors="replace").strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return f"{up}/{len(sup.roles)} roles up, waiting for the learner's first step"
+    reward = row.get("reward_mean")
+    return f"{up}/{len(sup.roles)} roles up, step {row.get('step')}, version {row.get('version')}" + (
+        f", reward {reward:.3f}" if isinstance(reward, (int, float)) else ""
+    )

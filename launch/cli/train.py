@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from launch.cli import models
+from launch.cli.progress import progress
 from launch.cli.runs import CONFIG, STORE, open_store
 
 app = typer.Typer(help="Offline recipes that train from the trajectory lake.", no_args_is_help=True)
@@ -67,7 +68,9 @@ def sft(
         raise typer.Exit(2)
     try:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        stats = train_sft(m, examples, pad, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed)
+        steps = epochs * -(-len(examples) // batch_size)
+        with progress("sft", steps, unit="steps") as advance:
+            stats = train_sft(m, examples, pad, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, on_step=advance)
     except ValueError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
