@@ -29,9 +29,10 @@ from storage.lake import SCHEMA, LakeFilter, LakeReader, rows_from_table, table_
 
 
 async def replay_to_topic(
-    reader: LakeReader, flt: LakeFilter, transport: Transport, topic: str, *, rate_per_s: float | None = None
+    reader: LakeReader, flt: LakeFilter, transport: Transport, topic: str, *, rate_per_s: float | None = None, on_rows=None
 ) -> int:
-    """Publish every matching rollout to ``topic`` (key: task id); returns how many."""
+    """Publish every matching rollout to ``topic`` (key: task id); returns how many. ``on_rows(n)``
+    as they go (the CLI's progress)."""
     producer = transport.producer()
     await producer.start()
     pub: Publisher[ScoredRollout] = Publisher(producer, topic)
@@ -47,15 +48,21 @@ async def replay_to_topic(
             sent += 1
             if len(pending) >= 512:
                 await asyncio.gather(*pending)
+                if on_rows is not None:
+                    on_rows(len(pending))
                 pending = []
         await asyncio.gather(*pending)
+        if on_rows is not None:
+            on_rows(len(pending))
     finally:
         await producer.close()
     return sent
 
 
-def export(reader: LakeReader, flt: LakeFilter, fmt: str, out: Path) -> int:
-    """Write matching rollouts to ``out`` as ``jsonl`` or ``parquet``; returns how many."""
+def export(reader: LakeReader, flt: LakeFilter, fmt: str, out: Path, on_rows=None) -> int:
+    """Write matching rollouts to ``out`` as ``jsonl`` or ``parquet``; returns how many.
+    ``on_rows(n)`` as they go (the CLI's progress)."""
+    on_rows = on_rows or (lambda _n: None)
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     if fmt == "jsonl":
@@ -63,6 +70,9 @@ def export(reader: LakeReader, flt: LakeFilter, fmt: str, out: Path) -> int:
             for s in reader.iter(flt):
                 fh.write(json.dumps(to_builtins(s), separators=(",", ":")) + "\n")
                 n += 1
+                if n % 1024 == 0:
+                    on_rows(1024)
+        on_rows(n % 1024)
         return n
     if fmt == "parquet":
         # Arrow tables straight from the parts (no Python object per row); a part written in an
@@ -73,6 +83,7 @@ def export(reader: LakeReader, flt: LakeFilter, fmt: str, out: Path) -> int:
                     table = table_from_rows(rows_from_table(table))
                 writer.write_table(table)
                 n += table.num_rows
+                on_rows(table.num_rows)
         return n
     raise ValueError(f"unknown export format {fmt!r}: jsonl or parquet")
 

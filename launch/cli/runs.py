@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from launch.cli.progress import progress
+
 app = typer.Typer(help="Runs kept in the object store: list them, show one.", no_args_is_help=True)
 CONFIG = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="Run config naming the object store.")
 STORE = typer.Option(
@@ -114,7 +116,8 @@ def replay(
         if export not in ("jsonl", "parquet"):
             raise typer.BadParameter("jsonl or parquet", param_hint="--export")
         target = out or Path(f"{run}.{export}")
-        n = export_rows(reader, flt, export, target)
+        with progress("export", None, unit="rollouts") as advance:
+            n = export_rows(reader, flt, export, target, on_rows=advance)
         typer.echo(f"exported {n} rollouts to {target}")
         return
     if config is None:
@@ -126,7 +129,8 @@ def replay(
 
     async def main() -> int:
         try:
-            return await replay_to_topic(reader, flt, transport, to_topic, rate_per_s=rate)
+            with progress("replay", None, unit="rollouts") as advance:
+                return await replay_to_topic(reader, flt, transport, to_topic, rate_per_s=rate, on_rows=advance)
         finally:
             await transport.close()
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from launch.cli.exits import fail
+from launch.cli.progress import progress
 
 if TYPE_CHECKING:
     from conveyor.config import RunConfig
@@ -83,13 +84,15 @@ class SubmitReport:
     rejected: list[RecordError] = field(default_factory=list)
 
 
-async def publish_tasks(transport: Transport, run_id: str, tasks: list[Task], partitions: int) -> tuple[str, int]:
-    """Create the run's topics, publish ``tasks`` keyed by task id, wait for every ack.
+async def publish_tasks(transport: Transport, run_id: str, tasks: list[Task], partitions: int, on_task=None) -> tuple[str, int]:
+    """Create the run's topics, publish ``tasks`` keyed by task id, wait for every ack; each task
+    starts its trace here (``tracing:``), as from the producer. ``on_task(1)`` per task sent.
 
     Returns (tasks topic, tasks acknowledged); raises if the broker refused any.
     """
     from conveyor.messaging import Publisher
     from conveyor.topics import Topics
+    from conveyor.tracing import headers_of, tracer
 
     topics = Topics(run_id)
     await transport.create_topics(topics.specs(partitions))
@@ -97,7 +100,14 @@ async def publish_tasks(transport: Transport, run_id: str, tasks: list[Task], pa
     await producer.start()
     try:
         pub = Publisher(producer, topics.tasks)
-        pending = [await pub.publish(task, key=task.task_id) for task in tasks]
+        pending = []
+        for task in tasks:
+            with tracer().start_as_current_span(
+                "submit", attributes={"conveyor.task_id": task.task_id, "conveyor.via": "cli"}
+            ) as span:
+                pending.append(await pub.publish(task, key=task.task_id, headers=headers_of(span)))
+            if on_task is not None:
+                on_task(1)
         results = await asyncio.gather(*pending, return_exceptions=True)
     finally:
         await producer.close()
@@ -173,12 +183,20 @@ def submit_file(
 
     async def main() -> tuple[str, int]:
         try:
-            return await publish_tasks(tp, run_id, tasks, cfg.transport.partitions)
+            with progress("submit", len(tasks), unit="tasks") as advance:
+                return await publish_tasks(tp, run_id, tasks, cfg.transport.partitions, on_task=advance)
         finally:
             if own:
                 await tp.close()
 
-    report.topic, report.published = asyncio.run(main())
+    from conveyor.tracing import configure_tracing, reset_tracing
+
+    traced = configure_tracing(cfg.tracing, "submit", run_id) is not None
+    try:
+        report.topic, report.published = asyncio.run(main())
+    finally:
+        if traced:
+            reset_tracing()  # exports the submit spans
     return report
 
 
