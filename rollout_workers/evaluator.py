@@ -48,8 +48,10 @@ class EvaluatorService:
         max_tokens: int = 512,
         stop: tuple[str, ...] = (),
         claim_check: ClaimCheck | None = None,
+        tracker=None,
     ) -> None:
         self.claim_check = claim_check  # messages over its threshold travel through the object store
+        self.tracker = tracker  # an experiment tracker (started by the caller): each row, at its version
         if every < 1:
             raise ValueError("eval.every must be >= 1")
         self.transport, self.topics, self.store = transport, topics, store
@@ -84,6 +86,8 @@ class EvaluatorService:
                         continue
                     await self._evaluate(started)
         await self.engine.close()
+        if self.tracker is not None:
+            await asyncio.to_thread(self.tracker.close)
 
     async def _evaluate(self, started: float) -> None:
         version = self.engine.version
@@ -98,3 +102,5 @@ class EvaluatorService:
         text = "".join(json.dumps(r) + "\n" for r in self.rows)
         await asyncio.to_thread(self.store.put, keys.meta_key(self.topics.run_id, "eval.jsonl"), text.encode())
         log.info("evaluator.evaluated", **row)
+        if self.tracker is not None:
+            self.tracker.log_eval(row, step=version)

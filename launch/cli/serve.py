@@ -338,6 +338,11 @@ def evaluator(
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
     from conveyor.messaging import claim_check_for
+    from conveyor.tracking import open_tracker
+
+    tracker = open_tracker(cfg.tracking, out)  # its own tracker run, next to the learner's
+    if tracker is not None:
+        tracker.start(f"{cfg.run_id}-eval", cfg.model_dump(mode="json"))
 
     try:
         _run_service(
@@ -345,6 +350,7 @@ def evaluator(
             lambda transport, topics, store: EvaluatorService(
                 transport, topics, store, engine, sandbox, tasks, every=ev.every, run_dir=out, k=ev.k, samples=ev.samples,
                 max_tokens=cfg.sampling.max_tokens, stop=tuple(cfg.sampling.stop), claim_check=claim_check_for(cfg, store),
+                tracker=tracker,
             ),
         )  # fmt: skip
     finally:

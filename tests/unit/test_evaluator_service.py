@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from conveyor import keys
 from conveyor.config import RolloutConfig
 from conveyor.contracts import Task, VerifierSpec, WeightsAnnouncement
@@ -33,8 +35,12 @@ async def test_every_kth_version_is_evaluated(tmp_path):
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     tasks = [Task(task_id=f"h{i}", run_id="ev", prompt=f"{i}+1=", verifier=VerifierSpec(kind="math", data={"answer": str(i + 1)}))
              for i in range(4)]  # fmt: skip
+    from conveyor.tracking import TensorBoardBackend, Tracker
+
+    tracker = Tracker(TensorBoardBackend(tmp_path / "tb"))
+    tracker.start("ev-eval", {"eval": {"every": 2}})
     service = EvaluatorService(transport, topics, store, open_engine(RolloutConfig(seed=0), tmp_path / "m"), None, tasks,
-                               every=2, run_dir=tmp_path, k=2, samples=2, max_tokens=4)  # fmt: skip
+                               every=2, run_dir=tmp_path, k=2, samples=2, max_tokens=4, tracker=tracker)  # fmt: skip
     stop = asyncio.Event()
     run = asyncio.create_task(service.run(stop))
     for version in (1, 2, 3):
@@ -56,3 +62,10 @@ async def test_every_kth_version_is_evaluated(tmp_path):
     assert all(r["tasks"] == 4 and r["k"] == 2 and 0.0 <= r["pass_rate"] <= r["pass_at_k"] <= 1.0 for r in rows)
     stored = store.get(keys.meta_key("ev", "eval.jsonl")).decode().splitlines()
     assert [json.loads(line)["version"] for line in stored] == [0, 2]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "ev-eval"))
+    events.Reload()  # the same rows in the tracker, at their versions (the service closed it)
+    assert [(e.step, e.value) for e in events.Scalars("eval/pass_rate")] == [
+        (r["version"], pytest.approx(r["pass_rate"])) for r in rows
+    ]
