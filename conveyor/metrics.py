@@ -7,7 +7,9 @@ in one process without duplicate-registration errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
@@ -282,10 +284,7 @@ class LearnerMetrics:
 
 _process: TransportMetrics | None = None
 _registry: CollectorRegistry | None = None
-_rollout: RolloutMetrics | None = None
-_learner: LearnerMetrics | None = None
-_reward: RewardMetrics | None = None
-_sink: SinkMetrics | None = None
+_made: dict[str, Any] = {}  # each service's metrics on the process registry
 
 
 def enable_process_metrics(port: int, addr: str = "0.0.0.0") -> TransportMetrics:
@@ -300,49 +299,37 @@ def enable_process_metrics(port: int, addr: str = "0.0.0.0") -> TransportMetrics
     return _process
 
 
+def _on_process_registry(name: str, make: Callable[[CollectorRegistry], Any]) -> Any:
+    """A service's metrics on the process registry, made once (None in embedded mode)."""
+    if _registry is None:
+        return None
+    if name not in _made:
+        _made[name] = make(_registry)
+    return _made[name]
+
+
 def process_rollout_metrics() -> RolloutMetrics | None:
-    """The rollout worker's metrics on the process registry (None in embedded mode)."""
-    global _rollout
-    if _rollout is None and _registry is not None:
-        _rollout = RolloutMetrics.create(_registry)
-    return _rollout
+    return _on_process_registry("rollout", RolloutMetrics.create)
 
 
 def process_learner_metrics() -> LearnerMetrics | None:
-    """The learner's metrics on the process registry (None in embedded mode)."""
-    global _learner
-    if _learner is None and _registry is not None:
-        _learner = LearnerMetrics.create(_registry)
-    return _learner
+    return _on_process_registry("learner", LearnerMetrics.create)
 
 
 def process_reward_metrics() -> RewardMetrics | None:
-    """The reward bridge's metrics on the process registry (None in embedded mode)."""
-    global _reward
-    if _reward is None and _registry is not None:
-        _reward = RewardMetrics.create(_registry)
-    return _reward
+    return _on_process_registry("reward", RewardMetrics.create)
 
 
 def process_sink_metrics() -> SinkMetrics | None:
-    """The storage sink's metrics on the process registry (None in embedded mode)."""
-    global _sink
-    if _sink is None and _registry is not None:
-        _sink = SinkMetrics.create(_registry)
-    return _sink
-
-
-_tracker_failures: Counter | None = None
+    return _on_process_registry("sink", SinkMetrics.create)
 
 
 def process_tracker_failures() -> Counter | None:
-    """Calls an experiment tracker failed (conveyor/tracking.py), on the process registry."""
-    global _tracker_failures
-    if _tracker_failures is None and _registry is not None:
-        _tracker_failures = Counter(
-            "conveyor_tracker_failures", "Experiment-tracker calls that failed (the run went on)", registry=_registry
-        )
-    return _tracker_failures
+    """Calls an experiment tracker failed (conveyor/tracking.py)."""
+    return _on_process_registry(
+        "tracker",
+        lambda r: Counter("conveyor_tracker_failures", "Experiment-tracker calls that failed (the run went on)", registry=r),
+    )
 
 
 def process_registry() -> CollectorRegistry | None:
