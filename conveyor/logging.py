@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-from typing import Literal
+from typing import Literal, TextIO, cast
 
 import structlog
 from structlog.typing import Processor
@@ -37,7 +37,7 @@ def configure_logging(
     ]
     # Libraries log through the standard library (aiokafka, botocore, celery, uvicorn): their lines
     # go through the same renderer, so a JSON log stream stays JSON lines, with the logger's name.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_STDERR)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
@@ -57,10 +57,25 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _STDERR)),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
+
+
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was set up: a progress
+    bar that takes over the terminal (rich redirects ``sys.stderr``) prints log lines above itself
+    instead of being torn by them."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _CurrentStderr()
 
 
 def _with_fields(fields: dict[str, str]) -> Processor:

@@ -98,3 +98,20 @@ async def test_consumer_lag_is_a_gauge_per_partition_and_publish_latency_is_time
     assert registry.get_sample_value("conveyor_publish_seconds_count", {"topic": "tasks"}) == 6
     await sub.close()  # its partitions' series go with it
     assert registry.get_sample_value("conveyor_consumer_lag_records", {"topic": "tasks", "partition": "0", "group": "g"}) is None
+
+
+def test_log_lines_go_where_stderr_is_now(monkeypatch, capsys):
+    """A progress bar redirects sys.stderr while it draws: log lines written then go through it."""
+    import io
+    import logging
+
+    configure_logging("run", fmt="json", level="info")
+    redirected = io.StringIO()
+    monkeypatch.setattr("sys.stderr", redirected)
+    structlog.get_logger("x").info("role_started", role="learner")
+    logging.getLogger("celery").warning("from a library")
+    lines = [json.loads(line) for line in redirected.getvalue().splitlines()]
+    assert [x["event"] for x in lines] == ["role_started", "from a library"]
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+    logging.basicConfig(force=True)
