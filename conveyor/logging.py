@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-from typing import Literal, TextIO, cast
+from typing import Literal
 
 import structlog
 from structlog.typing import Processor
@@ -31,13 +31,14 @@ def configure_logging(
     fields = {"service": service, "host": socket.gethostname(), **context}
     shared: list[Processor] = [
         _with_fields(fields),
+        _with_trace,
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     # Libraries log through the standard library (aiokafka, botocore, celery, uvicorn): their lines
     # go through the same renderer, so a JSON log stream stays JSON lines, with the logger's name.
-    handler = logging.StreamHandler(_STDERR)
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
@@ -57,25 +58,21 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _STDERR)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
 
 
-class _CurrentStderr:
-    """Whatever ``sys.stderr`` is when a line is written, not when logging was set up: a progress
-    bar that takes over the terminal (rich redirects ``sys.stderr``) prints log lines above itself
-    instead of being torn by them."""
+def _with_trace(_logger, _name, event_dict):
+    """The trace and span a line was logged under (a traced task's work), as the trace backend shows them."""
+    from opentelemetry import trace
 
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-_STDERR = _CurrentStderr()
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event_dict
 
 
 def _with_fields(fields: dict[str, str]) -> Processor:

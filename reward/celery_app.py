@@ -35,6 +35,7 @@ import structlog
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_process_shutdown
+from opentelemetry import trace
 
 from conveyor.config import RabbitMQBrokerConfig, RedisBrokerConfig, RewardConfig, RunConfig
 from conveyor.contracts import Task
@@ -170,13 +171,14 @@ def make_app(cfg: RunConfig) -> Celery:
         span = start_child("verify", {k: self.request.get(k) for k in ("traceparent", "tracestate") if self.request.get(k)},
                            **{"conveyor.rollout_id": rollout_id, "conveyor.verifier": t.verifier.kind})  # fmt: skip
         try:
-            [v] = score_batch(_worker_sandbox(reward), [(t, completion)])
-            span.set_attribute("conveyor.verdict", v.verdict)
+            with trace.use_span(span, end_on_exit=False):  # the task's log lines carry the trace id
+                [v] = score_batch(_worker_sandbox(reward), [(t, completion)])
+                span.set_attribute("conveyor.verdict", v.verdict)
+                if v.verdict == "infra":
+                    raise SandboxInfraError(f"rollout {rollout_id}: the sandbox did not report a result")
+                log.info("scored", rollout_id=rollout_id, verdict=v.verdict, reward=v.reward, attempt=self.request.retries)
         finally:
             span.end()
-        if v.verdict == "infra":
-            raise SandboxInfraError(f"rollout {rollout_id}: the sandbox did not report a result")
-        log.info("scored", rollout_id=rollout_id, verdict=v.verdict, reward=v.reward, attempt=self.request.retries)
         return verdict_to_dict(v)
 
     app.conveyor_score = score  # type: ignore[attr-defined]

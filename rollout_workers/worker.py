@@ -43,6 +43,7 @@ import time
 import uuid
 
 import structlog
+from opentelemetry import trace
 
 from conveyor import keys
 from conveyor.admission import AdmissionLedger, admissible
@@ -364,7 +365,8 @@ class RolloutWorker:
         span = start_child("generate", delivery.record.headers, **{"conveyor.task_id": task.task_id,
                                                                     "conveyor.group_size": task.group_size})  # fmt: skip
         try:
-            rollouts = await self._generate_or_refuse(delivery)
+            with trace.use_span(span, end_on_exit=False):  # its log lines carry the trace id
+                rollouts = await self._generate_or_refuse(delivery)
             span.set_attribute("conveyor.policy_version", self.engine.version)
             return rollouts
         finally:

@@ -141,6 +141,9 @@ def test_a_rollouts_trace_goes_on_in_the_worker_through_the_task_headers(celery_
     worker.wait_for(f'"trace_id": "0x{trace_id}"', timeout_s=30)  # the worker's verify span, in the same trace
     span = worker.log.read_text().split(f'"trace_id": "0x{trace_id}"')[0].rsplit('"name": ', 1)[1]
     assert span.startswith('"verify"') and f'"parent_id": "0x{parent_id}"' in worker.log.read_text()
+    # and the task's log line carries the trace id (a log search finds the trace, and back)
+    scored = [line for line in worker.log.read_text().splitlines() if '"event": "scored"' in line and rid in line]
+    assert scored and f'"trace_id": "{trace_id}"' in scored[0], scored
 
 
 def test_a_verifier_kind_goes_to_its_own_queue(redis_url, tmp_path):

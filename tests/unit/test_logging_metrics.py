@@ -100,18 +100,21 @@ async def test_consumer_lag_is_a_gauge_per_partition_and_publish_latency_is_time
     assert registry.get_sample_value("conveyor_consumer_lag_records", {"topic": "tasks", "partition": "0", "group": "g"}) is None
 
 
-def test_log_lines_go_where_stderr_is_now(monkeypatch, capsys):
-    """A progress bar redirects sys.stderr while it draws: log lines written then go through it."""
-    import io
-    import logging
+def test_a_line_logged_under_a_traced_span_carries_its_ids(capsys):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    configure_logging("run", fmt="json", level="info")
-    redirected = io.StringIO()
-    monkeypatch.setattr("sys.stderr", redirected)
-    structlog.get_logger("x").info("role_started", role="learner")
-    logging.getLogger("celery").warning("from a library")
-    lines = [json.loads(line) for line in redirected.getvalue().splitlines()]
-    assert [x["event"] for x in lines] == ["role_started", "from a library"]
+    from conveyor.observability_config import TracingConfig
+    from conveyor.tracing import configure_tracing, reset_tracing, tracer
+
+    configure_logging("rollout-worker", fmt="json", level="info")
+    configure_tracing(TracingConfig(sample_ratio=1.0), "unit", "r", exporter=InMemorySpanExporter())
+    try:
+        with tracer().start_as_current_span("generate") as span:
+            structlog.get_logger("x").info("inside")
+        structlog.get_logger("x").info("outside")
+    finally:
+        reset_tracing()
+    inside, outside = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert inside["trace_id"] == format(span.get_span_context().trace_id, "032x") and "trace_id" not in outside
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
-    logging.basicConfig(force=True)
