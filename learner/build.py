@@ -9,7 +9,7 @@ from conveyor.config import RunConfig
 from conveyor.messaging import claim_check_for
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
-from conveyor.tracking import Tracker, open_tracker
+from conveyor.tracking import open_tracker
 from conveyor.transport.base import Transport
 from learner.recipe import GRPOLearner
 
@@ -65,14 +65,7 @@ def build(
         admission_bound=admission_bound(cfg) if wait_for_admitted else None,
         ranks=ranks,
         claim_check=claim_check_for(cfg, store),
-        tracker=start_tracker(cfg, run_dir),
+        # named after the run (a restarted learner logs into a run of the same name), with the whole
+        # config, secrets masked
+        tracker=open_tracker(cfg.tracking, run_dir, cfg.run_id, cfg.model_dump(mode="json")),
     )
-
-
-def start_tracker(cfg: RunConfig, run_dir: Path) -> Tracker | None:
-    """The run config's experiment tracker (``tracking:``), started with the whole config (secrets
-    masked), named after the run: a restarted learner logs into a run of the same name."""
-    tracker = open_tracker(cfg.tracking, run_dir)
-    if tracker is not None:
-        tracker.start(cfg.run_id, cfg.model_dump(mode="json"))
-    return tracker

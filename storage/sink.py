@@ -138,19 +138,18 @@ class StorageSink:
                         task.cancel()
 
     async def _flush_until_stored(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]) -> None:
-        delay, started = 0.25, time.monotonic()
-        rows = [d.message for d in deliveries]
         # A store span per traced task of the flush: its trace ends when its rows are in the lake.
         spans = [start_child("store", h, **{"conveyor.task_id": ds[0].message.rollout.task_id, "conveyor.rows": len(ds)})
                  for h, ds in by_trace((d, d.record.headers) for d in deliveries).values()]  # fmt: skip
         try:
-            await self._write(sub, deliveries, rows, delay, started)
+            await self._write(sub, deliveries)
         finally:
             for span in spans:
                 span.end()
 
-    async def _write(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]], rows: list,
-                     delay: float, started: float) -> None:  # fmt: skip
+    async def _write(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]) -> None:
+        delay, started = 0.25, time.monotonic()
+        rows = [d.message for d in deliveries]
         while True:
             try:
                 parts = await asyncio.to_thread(write_parts, self.store, self.topics.run_id, rows)

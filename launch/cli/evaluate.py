@@ -128,11 +128,11 @@ def _track(config: Path | None, out: Path | None, summary: dict, args: dict) -> 
     from conveyor.tracking import open_tracker
 
     cfg = load_run_config(config)
-    tracker = open_tracker(cfg.tracking, (out.parent if out is not None else Path(".")).resolve())
+    name = f"eval-{args['run'] or Path(str(args['model'])).name}"
+    where = (out.parent if out is not None else Path(".")).resolve()
+    tracker = open_tracker(cfg.tracking, where, name, {"eval": args, "run_config": cfg.model_dump(mode="json")})
     if tracker is None:
         return
-    name = f"eval-{args['run'] or Path(str(args['model'])).name}"
-    tracker.start(name, {"eval": args, "run_config": cfg.model_dump(mode="json")})
     tracker.log_eval(summary, step=args["version"] or 0)
     tracker.log_model(str(args["model"] or f"run {args['run']} version {args['version'] or 'newest'}"))
     tracker.close()

@@ -77,7 +77,8 @@ def run(
         typer.echo("metrics: " + ", ".join(f"{name} :{port}" for name, port in sup.metrics_ports.items()))
     server = None
     if prometheus is not None:
-        from launch.stack.prometheus import BinaryMissing, Prometheus
+        from conveyor.binaries import BinaryMissing
+        from launch.stack.prometheus import Prometheus
 
         try:
             server = Prometheus(run_dir / "prometheus", prometheus, sup.metrics_ports, interval_s=5.0).start()

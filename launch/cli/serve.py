@@ -340,9 +340,7 @@ def evaluator(
     from conveyor.messaging import claim_check_for
     from conveyor.tracking import open_tracker
 
-    tracker = open_tracker(cfg.tracking, out)  # its own tracker run, next to the learner's
-    if tracker is not None:
-        tracker.start(f"{cfg.run_id}-eval", cfg.model_dump(mode="json"))
+    tracker = open_tracker(cfg.tracking, out, f"{cfg.run_id}-eval", cfg.model_dump(mode="json"))  # next to the learner's
 
     try:
         _run_service(

@@ -8,8 +8,6 @@ cluster, so the dashboard's queries and the alert rules run unchanged against it
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -19,21 +17,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from conveyor.binaries import BinaryMissing
+from conveyor.binaries import prometheus_binary
 
 JOB = "conveyor"
-
-
-def prometheus_binary() -> Path:
-    explicit = os.environ.get("CONVEYOR_PROMETHEUS_BIN")
-    if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise BinaryMissing(f"CONVEYOR_PROMETHEUS_BIN={explicit} is not an executable")
-        return Path(explicit)
-    found = shutil.which("prometheus")
-    if found is None:
-        raise BinaryMissing("no prometheus on PATH: install.sh installs Debian's package (apt-get install prometheus)")
-    return Path(found)
 
 
 def scrape_config(targets: Mapping[str, int], interval_s: float, labels: Mapping[str, str] | None = None,
@@ -115,17 +101,9 @@ class Prometheus:
         params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
         return self._get("/api/v1/query", **params)["result"]
 
-    def query_range(self, expr: str, start: float, end: float, step_s: float = 5.0) -> list[dict]:
-        return self._get("/api/v1/query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step_s:g}")["result"]
-
     def rules(self) -> list[dict]:
         """The loaded rule groups, with each rule's health and last error."""
         return self._get("/api/v1/rules")["groups"]
-
-    def target_health(self) -> dict[str, str]:
-        return {
-            t["labels"].get("instance_name", t["scrapeUrl"]): t["health"] for t in self._get("/api/v1/targets")["activeTargets"]
-        }
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

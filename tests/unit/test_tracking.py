@@ -21,9 +21,8 @@ EVAL = {"pass_at_1": 0.75, "mean_tokens": 12.5, "tasks": 40}
 
 
 def _track(cfg: TrackingConfig, run_dir) -> Tracker:
-    tracker = open_tracker(cfg, run_dir)
+    tracker = open_tracker(cfg, run_dir, "exp-1", CONFIG)
     assert tracker is not None
-    tracker.start("exp-1", CONFIG)
     for row in ROWS:
         tracker.log(row["step"], row)
     tracker.log_eval(EVAL)
@@ -177,4 +176,4 @@ def test_a_slow_tracker_never_makes_the_caller_wait():
 
 
 def test_none_is_no_tracker(tmp_path):
-    assert open_tracker(TrackingConfig(), tmp_path) is None
+    assert open_tracker(TrackingConfig(), tmp_path, "r", {}) is None
