@@ -12,7 +12,7 @@ problems (greedy, judged by the reward service's verifier in the sandbox),
 and the figure is the lock-step run's first grid time at or above
 ``--threshold`` divided by the asynchronous run's. The default threshold, 0.9,
 is the phase of the demo's task that takes learning (RL separating ``max`` from
-``min``, which the warm-up confuses; docs/BENCHMARKS.md, "The 0.9 plateau"):
+``min``, which the warm-up confuses; docs/BENCHMARKS.md, "Why 0.9 and lag 3"):
 lock step reaches 0.8 and 0.85 within 2.5-7 s (5-14 points of the 0.5-s grid), where
 the grid and the first batches decide the ratio. Both runs are sampled at
 the same times, so neither gets more chances to touch the threshold, and no

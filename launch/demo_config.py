@@ -22,7 +22,7 @@ DEMO_RUN: dict[str, Any] = {
         "batch_groups": 16,
         # Policy versions a sample may lag the learner. 3: with four batches in flight generation, scoring
         # and training overlap more than at 1 (~7% more steps/s), and the demo's task reaches a held-out 0.9
-        # in no more learner steps (docs/BENCHMARKS.md, "Lag 3, and the figure at 0.9").
+        # in no more learner steps (docs/BENCHMARKS.md, "Why 0.9 and lag 3").
         "max_lag": 3,
         "lr": 5e-4,
         "checkpoint_every": 25,
@@ -31,11 +31,11 @@ DEMO_RUN: dict[str, Any] = {
         # a block-causal mask costs 2.5x the step on CPU (dense attention over the whole pack).
         "pack_tokens": 0,
         # One optimizer update per batch: two reach 0.85 no sooner, and at lr 5e-4 about one seed-0 run in
-        # three unlearns a[0] (docs/BENCHMARKS.md, "One update per batch, and the CI demo's margins").
+        # three unlearns a[0] (docs/BENCHMARKS.md, "The demo's settings").
         "updates_per_batch": 1,
         # The optimizer steps in a child process (learner/step_process.py): as a thread they contend for
-        # the GIL with the engine and the event loop's services (docs/BENCHMARKS.md, "Both torch loops in
-        # child processes by default").
+        # the GIL with the engine and the event loop's services (docs/BENCHMARKS.md, "The demo's
+        # settings").
         "step_process": True,
     },
     "rollout": {"engine": "reference", "tasks_per_batch": 16},

@@ -64,7 +64,7 @@ def test_reward_rises(demo):
     """The margins are set against a learner that does not learn: the same run at lr 1e-12
     went 0.572 -> 0.631 in reward (the later steps' prompts are easier for this seed) and
     0.58 -> 0.58 held out, while six runs of this configuration went 0.665 -> 0.847-0.861
-    and 0.58 -> 0.90-0.92 (docs/BENCHMARKS.md, "One update per batch, and the CI demo's margins")."""
+    and 0.58 -> 0.90-0.92 (docs/BENCHMARKS.md, "The demo's settings")."""
     import json
 
     rows = [json.loads(line) for line in (demo.run_dir / "metrics.jsonl").read_text().splitlines()]
