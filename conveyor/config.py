@@ -41,6 +41,7 @@ from conveyor.backend_config import (
     _Section,
 )
 from conveyor.observability_config import LoggingConfig, MetricsConfig, TracingConfig, TrackingConfig  # noqa: F401 - re-exported
+from conveyor.reward_config import JudgeConfig, RewardConfig  # noqa: F401 - re-exported
 
 # The backend sections are part of the run config's interface: importable from here.
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "ProducerConfig",
     "RabbitMQBrokerConfig",
     "RedisBrokerConfig",
+    "JudgeConfig",
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
@@ -78,55 +80,6 @@ from conveyor.topics import validate_run_id
 
 # --------------------------------------------------------------------------
 # the services
-
-
-class RewardConfig(_Section):
-    """Sandbox limits per execution and the Celery task's own limits."""
-
-    timeout_s: float = Field(2.0, gt=0, le=3600)
-    """Wall-clock limit of one program or command in the sandbox."""
-    memory_mb: int = Field(256, ge=32)
-    max_output_bytes: int = Field(8192, ge=256)
-    tmp_mb: int = Field(16, ge=1)
-    nproc: int = Field(64, ge=4)
-    cgroups: Literal["auto", "required", "off"] = "auto"
-    queue: str = "conveyor.reward"
-    soft_time_limit_s: float = Field(60.0, gt=0)
-    hard_time_limit_s: float = Field(90.0, gt=0)
-    max_tasks_per_child: int = Field(10_000, ge=1)
-    """Tasks a Celery pool process runs before it is replaced (bounds whatever leaks). Celery's pool
-    maintenance starts the replacement up to 5 s later, and a worker of concurrency 1 scores nothing
-    meanwhile: at 500, in a distributed run at ~57 tasks/s per worker, that is a third of its time."""
-    max_retries: int = Field(5, ge=0)
-    """Retries of infrastructure failures (the sandbox could not run); the model's own failures are results."""
-    worker_concurrency: int = Field(2, ge=1, le=256)
-    result_timeout_s: float = Field(600.0, gt=0)
-    """How long the bridge waits for a task's result before it scores the rollout ``infra`` (dropped by
-    the learner). A task that a worker started and left without a result past ``hard_time_limit_s``
-    (the worker died) is submitted again well before this."""
-
-    queues: dict[str, str] = Field(default_factory=dict)
-    """Verifier kind -> Celery queue of its own (``{reward_model: conveyor.reward-rm}``), so the workers
-    that score it (``conveyor serve reward-worker --queue ...``) scale apart from the sandbox workers."""
-    verifiers: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
-    """Users' verifier kinds: ``{kind: "module:function"}`` or ``{kind: {fn, style, required, pass_at}}``
-    (``tasks/registry.py``); every service registers them at start."""
-    image_roots: list[str] = Field(default_factory=list)
-    """Absolute host directories a terminal task's ``verifier.data.image`` must resolve inside (``sandbox/images.py``);
-    empty: no task may name one. ``producer.image_roots`` refuses a submitted image earlier; this is the worker's check."""
-
-    @field_validator("image_roots")
-    @classmethod
-    def _image_roots(cls, v: list[str]) -> list[str]:
-        if any(not r.startswith("/") or ".." in r.split("/") or not r.strip("/.") for r in v):
-            raise ValueError("each image root must be an absolute path, not /, without '..'")
-        return v
-
-    @model_validator(mode="after")
-    def _ordered(self) -> RewardConfig:
-        if not self.timeout_s < self.soft_time_limit_s < self.hard_time_limit_s:
-            raise ValueError("need timeout_s < soft_time_limit_s < hard_time_limit_s")
-        return self
 
 
 class ProducerConfig(_Section):

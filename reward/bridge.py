@@ -20,6 +20,7 @@ non-zero and the run's supervisor reports it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import typing
@@ -85,6 +86,11 @@ class RewardBridge:
         # future -> (entry, rollout, text, submitted at (monotonic), its score span)
         self._scoring: dict[asyncio.Future, tuple[_Entry, Rollout, str, float, Any]] = {}
         self._copies: dict[str, list[_Entry]] = {}  # rollout id being scored -> its other deliveries
+        # Futures that resolved, in order, each put here by its own done-callback: waiting on all
+        # of ``_scoring`` at once (asyncio.wait) costs a callback per future per round, which at
+        # thousands in flight was the bridge's largest cost.
+        self._resolved: list[asyncio.Future] = []
+        self._wake = asyncio.Event()
         self._inflight = 0
         self.metrics = metrics if metrics is not None else process_reward_metrics()  # Prometheus, when served
 
@@ -109,7 +115,11 @@ class RewardBridge:
                     got = await sub.poll(timeout_s=0 if self._scoring else 0.2, max_records=room)
                     self._take(got)
                 if self._scoring:
-                    done, _ = await asyncio.wait(self._scoring, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                    if not self._resolved:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), 0.05)
+                    self._wake.clear()
+                    done, self._resolved = self._resolved, []
                     await self._publish(done, publisher)
                 await self._commit(sub)
                 if self.metrics:
@@ -144,6 +154,11 @@ class RewardBridge:
         now = time.monotonic()
         for (entry, r), text, fut in zip(fresh.values(), texts, futures):
             self._scoring[fut] = (entry, r, text, now, spans[r.rollout_id])
+            fut.add_done_callback(self._on_resolved)
+
+    def _on_resolved(self, fut: asyncio.Future) -> None:
+        self._resolved.append(fut)
+        self._wake.set()
 
     def _submit(
         self, rollouts: list[Rollout], trace: dict[str, dict[str, str]] | None = None
@@ -182,7 +197,7 @@ class RewardBridge:
         verdicts = await asyncio.gather(*futures, return_exceptions=True)
         return [_scored(r, _infra(v) if isinstance(v, BaseException) else v, t) for r, v, t in zip(rollouts, verdicts, texts)]
 
-    async def _publish(self, done: set[asyncio.Future], publisher: Publisher[ScoredRollout]) -> None:
+    async def _publish(self, done: list[asyncio.Future], publisher: Publisher[ScoredRollout]) -> None:
         """Publish the verdicts that came back; an entry is done once the broker acknowledged it."""
         acks, entries = [], []
         for fut in done:

@@ -21,10 +21,11 @@ def scorer(cfg: RunConfig) -> LocalScorer | CeleryScorer:
     if cfg.celery.type == "local":
         from sandbox.runner import Sandbox
 
-        return LocalScorer(Sandbox.from_config(cfg.reward))
+        return LocalScorer(Sandbox.from_config(cfg.reward), fn_timeout_s=cfg.reward.verifier_timeout_s)
     from reward.celery_app import make_app
 
-    return CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s, queues=cfg.reward.queues)
+    return CeleryScorer(make_app(cfg), result_timeout_s=cfg.reward.result_timeout_s, queues=cfg.reward.queues,
+                        batch_size=cfg.reward.batch_size)  # fmt: skip
 
 
 def decoder(path: Path) -> Callable[[list[int]], str]:

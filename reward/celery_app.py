@@ -22,6 +22,14 @@ Delivery guarantees, and why each setting is there:
 
 The task id is the rollout id, so a task executed twice stores one result
 under one id and the bridge publishes one ScoredRollout for it.
+
+Kinds scored in the worker's process (math, tool calls, reward models, judges, users' functions:
+``tasks/registry.py``) travel up to ``reward.batch_size`` rollouts per task instead
+(``conveyor.reward.score_many``, its id derived from the rollout ids): a trivial Python reward
+costs a few microseconds, a Celery task round trip about a millisecond, and a reward model or a
+judge scores a batch in one forward pass or with its requests in flight together. Kinds that run
+the model's code in the sandbox stay one per task: a batch of programs that each may run to
+``timeout_s`` would make the task's time limits meaningless.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from conveyor.tracing import start_child
 
 log = structlog.get_logger(__name__)
 TASK_NAME = "conveyor.reward.score"
+BATCH_TASK_NAME = "conveyor.reward.score_many"
 
 
 class SandboxInfraError(RuntimeError):
@@ -181,7 +190,36 @@ def make_app(cfg: RunConfig) -> Celery:
             span.end()
         return verdict_to_dict(v)
 
+    @app.task(
+        name=BATCH_TASK_NAME,
+        bind=True,
+        autoretry_for=(SoftTimeLimitExceeded,),
+        retry_backoff=1,
+        retry_backoff_max=30,
+        retry_jitter=True,
+        max_retries=reward.max_retries,
+    )
+    def score_many(self, items: list[list[Any]]) -> dict[str, dict[str, Any]]:
+        """``items``: ``[task, completion, rollout_id, trace headers]`` each -> rollout id -> verdict."""
+        from tasks.registry import where
+        from tasks.verifiers import score_batch
+
+        tasks = [(msgspec.convert(t, Task), c) for t, c, _, _ in items]
+        spans = [start_child("verify", h or {}, **{"conveyor.rollout_id": rid, "conveyor.verifier": t.verifier.kind})
+                 for (t, _), (_, _, rid, h) in zip(tasks, items)]  # fmt: skip
+        try:
+            sandbox = _worker_sandbox(reward) if any(where(t.verifier.kind) == "sandbox" for t, _ in tasks) else None
+            verdicts = score_batch(sandbox, tasks, fn_timeout_s=None)  # the soft time limit interrupts a hung function
+            for span, v in zip(spans, verdicts):
+                span.set_attribute("conveyor.verdict", v.verdict)
+        finally:
+            for span in spans:
+                span.end()
+        log.info("scored_batch", rollouts=len(items), attempt=self.request.retries)
+        return {rid: verdict_to_dict(v) for (_, _, rid, _), v in zip(items, verdicts)}
+
     app.conveyor_score = score  # type: ignore[attr-defined]
+    app.conveyor_score_many = score_many  # type: ignore[attr-defined]
     worker_process_shutdown.connect(_close_worker_sandbox, weak=False)
     return app
 

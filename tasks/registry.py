@@ -67,6 +67,7 @@ _BUILTIN = (
     VerifierKind("terminal", ("checks",), "sandbox", True),
     VerifierKind("tool_call", ("expected",), "worker", True),
     VerifierKind("reward_model", ("model",), "worker", True),
+    VerifierKind("judge", ("rubric",), "worker", True),
 )
 _kinds: dict[str, VerifierKind] = {k.name: k for k in _BUILTIN}
 _entry_points_read = False
@@ -147,6 +148,12 @@ def get(name: str) -> VerifierKind:
     if found is None:
         raise RegistryError(f"unknown verifier kind {name!r}; known: {', '.join(known())}")
     return found
+
+
+def where(name: str) -> str | None:
+    """Where a kind's scoring runs (``sandbox`` or ``worker``); None for a kind nobody registered."""
+    found = kinds().get(name)
+    return found.where if found is not None else None
 
 
 def unregister(name: str) -> None:

@@ -48,9 +48,9 @@ import re
 import shutil
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 from conveyor.contracts import Feedback, Task
 from sandbox import tempdirs
@@ -59,21 +59,15 @@ from sandbox.runner import ExecResult, Job, Sandbox
 from sandbox.workspace import Workspace
 from tasks import registry
 from tasks.function_tools import TOOLS, parse_call, schema_error, values_match
+from tasks.verdict import Verdict
 
+DEFAULT_FN_TIMEOUT_S = 60.0
 _INT_LITERAL = re.compile(r"^ ?-?\d+\n?$")
 _FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)```", re.S)
 
 
 class VerifierError(ValueError):
     """The task's verifier payload is unusable (the task's fault, not the model's)."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    reward: float
-    verdict: str
-    feedback: Feedback | None = None
-    details: dict[str, float] = field(default_factory=dict)
 
 
 def code_of(completion: str) -> str:
@@ -358,10 +352,40 @@ def _reward_model_verdicts(model: str, items: Sequence[tuple[Task, str]]) -> lis
     return out
 
 
-def score_registered(kind: registry.VerifierKind, items: Sequence[tuple[Task, str]]) -> list[Verdict]:
+class _Hung(Exception):
+    pass
+
+
+def _within(call, timeout_s: float | None):
+    """``call()``, or :class:`_Hung` after ``timeout_s``. A Python thread cannot be stopped: a hung
+    call runs on in its daemon thread, and the scorer goes on without it (on a Celery worker the
+    task's soft time limit interrupts the function instead, and the pool process is recycled)."""
+    if timeout_s is None:
+        return call()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="verifier-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _Hung(f"did not return within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def score_registered(
+    kind: registry.VerifierKind, items: Sequence[tuple[Task, str]], timeout_s: float | None = None
+) -> list[Verdict]:
     """A registered kind's verdicts for its items, from one call of its function; what the
-    function does wrong (raises, wrong count, a reward that is not a finite number) scores the
-    samples concerned ``error`` with the reason."""
+    function does wrong (raises, hangs past ``timeout_s``, wrong count, a reward that is not a
+    finite number) scores the samples concerned ``error`` with the reason."""
 
     def errors(reason: str) -> list[Verdict]:
         return [Verdict(0.0, "error", Feedback(message=f"verifier {kind.name}: {reason}")) for _ in items]
@@ -373,9 +397,11 @@ def score_registered(kind: registry.VerifierKind, items: Sequence[tuple[Task, st
             fields: dict[str, list] = {key: [] for t in tasks for key in t.verifier.data}
             for key in fields:
                 fields[key] = [t.verifier.data.get(key) for t in tasks]
-            got = list(fn([registry.prompt_of(t) for t in tasks], completions, **fields))
+            got = list(_within(lambda: fn([registry.prompt_of(t) for t in tasks], completions, **fields), timeout_s))
         else:
-            got = list(fn(tasks, completions))
+            got = list(_within(lambda: fn(tasks, completions), timeout_s))
+    except _Hung as exc:
+        return errors(str(exc))
     except Exception as exc:  # noqa: BLE001 - a user's function fails in any way; the service carries on
         return errors(f"raised {type(exc).__name__}: {exc}")
     if len(got) != len(items):
@@ -399,21 +425,30 @@ def score_registered(kind: registry.VerifierKind, items: Sequence[tuple[Task, st
     return out
 
 
-def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> list[Verdict]:
+def score_batch(
+    sandbox: Sandbox | None, items: Sequence[tuple[Task | None, str]], *, fn_timeout_s: float | None = DEFAULT_FN_TIMEOUT_S
+) -> list[Verdict]:
     """Score (task, completion) pairs. Python jobs of the batch share one sandbox launch;
     terminal tasks get a workspace each. A task whose verifier payload is unusable
-    scores ``error`` with the reason (it is the task's fault, not the model's)."""
+    scores ``error`` with the reason (it is the task's fault, not the model's).
+
+    ``sandbox`` may be None when no item's kind runs there. ``fn_timeout_s`` bounds each call of
+    a user's function (None: unbounded, where something else interrupts it)."""
     out: list[Verdict | None] = [None] * len(items)
     jobs: list[Job] = []
     owners: list[tuple[int, str]] = []  # (item index, how to judge)
     users: dict[str, list[int]] = {}  # a registered kind -> its items, scored in one call
     rms: dict[str, list[int]] = {}  # a reward model -> its items, scored in one forward pass
+    judged: list[int] = []  # asked of their judges together, their requests in flight at once
     for i, (task, completion) in enumerate(items):
         try:
             if task is None:
                 out[i] = Verdict(0.0, "error", Feedback(message="rollout carries no task: nothing says how to verify it"))
                 continue
             kind = task.verifier.kind
+            if sandbox is None and registry.where(kind) == "sandbox":
+                out[i] = Verdict(0.0, "infra", Feedback(message=f"{kind} runs in the sandbox, and this scorer has none"))
+                continue
             if kind == "python_program":
                 program = program_of(task, completion)
                 if program is None:
@@ -427,13 +462,15 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
             elif kind == "math":
                 out[i] = judge_math(task, completion)
             elif kind == "terminal":
-                out[i] = _terminal(sandbox, task, completion)
+                out[i] = _terminal(sandbox, task, completion)  # type: ignore[arg-type]
             elif kind == "tool_call":
                 out[i] = judge_tool_call(task, completion)
             elif kind == "reward_model":
                 if not isinstance(task.verifier.data.get("model"), str):
                     raise VerifierError(f"task {task.task_id}: reward_model verifier needs data.model")
                 rms.setdefault(task.verifier.data["model"], []).append(i)
+            elif kind == "judge":
+                judged.append(i)
             else:
                 try:
                     registry.get(kind)
@@ -445,12 +482,17 @@ def score_batch(sandbox: Sandbox, items: Sequence[tuple[Task | None, str]]) -> l
     for model, idxs in rms.items():
         for i, v in zip(idxs, _reward_model_verdicts(model, [items[i] for i in idxs])):
             out[i] = v
+    if judged:
+        from tasks.judge import judge_verdicts
+
+        for i, v in zip(judged, judge_verdicts([items[i] for i in judged])):  # type: ignore[misc]
+            out[i] = v
     for kind, idxs in users.items():
-        for i, v in zip(idxs, score_registered(registry.get(kind), [items[i] for i in idxs])):
+        for i, v in zip(idxs, score_registered(registry.get(kind), [items[i] for i in idxs], fn_timeout_s)):
             out[i] = v
     if jobs:
         unique = list(dict.fromkeys(jobs))  # identical (program, tests) pairs run once
-        by_job = dict(zip(unique, sandbox.run(unique)))
+        by_job = dict(zip(unique, sandbox.run(unique)))  # type: ignore[union-attr]
         for job, (i, kind) in zip(jobs, owners):
             task, completion = items[i]
             result = by_job[job]

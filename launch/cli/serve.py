@@ -32,8 +32,9 @@ def _load(config: Path, role: str):
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level, run_id=cfg.run_id)
-    from tasks import registry
+    from tasks import judge, registry
 
+    judge.configure(cfg.reward.judges)  # the LLM judges the judge verifier may ask
     try:
         registry.configure(cfg.reward.verifiers)  # users' verifier kinds, known to every role
     except registry.RegistryError as exc:
