@@ -105,6 +105,7 @@ class CeleryScorer:
         self.tasks_sent = 0
         self._pending: dict[str, _Pending] = {}  # rollout id -> who waits for it
         self._sent: dict[str, _Sent] = {}  # Celery task id -> the rollouts it scores
+        self._unsent: list[_Sent] = []  # made, not accepted by the broker yet
         self._outbox: list[str] = []  # submitted, not sent yet: the collector thread sends them
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -191,52 +192,64 @@ class CeleryScorer:
         self.backend = self.app.backend
         if self._kv:
             self.backend.on_task_call = lambda producer, task_id: None
-        unsent: list[_Sent] = []
         while not self._closed:
             self._wake.wait(self.poll_s)
             self._wake.clear()
-            with self._lock:
-                outbox, self._outbox = self._outbox, []
-            unsent += self._tasks_of(outbox)
-            while unsent:
-                sent = unsent[0]
-                try:
-                    self._send(sent)
-                except Exception as exc:  # noqa: BLE001 - the broker is down: sent again next round, or infra at the deadline
-                    log.warning("reward_task_not_sent", task_id=sent.task_id, error=str(exc)[:300])
-                    time.sleep(self.poll_s)
-                    break
-                self._sent[sent.task_id] = unsent.pop(0)
-            if not self._sent:
-                continue
-            ids = list(self._sent)
             try:
-                metas = self._metas(ids)
-            except Exception as exc:  # noqa: BLE001 - the backend is down: keep waiting, the deadlines still hold
-                log.warning("reward_results_unreadable", error=str(exc)[:300])
-                metas = {}
-            now = time.monotonic()
-            for task_id in ids:
-                s = self._sent[task_id]
-                meta = metas.get(task_id)
-                status = meta.get("status") if meta else None
-                if status in states.READY_STATES:
-                    self._finish(s, _verdicts(s, meta))  # type: ignore[arg-type]
-                    continue
-                if status != s.status:  # started, retried, started again: its clock restarts
-                    s.status, s.since = status, now
-                if now - s.submitted_at > self.result_timeout_s:
-                    self._fail(s, f"no result within {self.result_timeout_s:g} s")
-                elif status == states.STARTED and now - s.since > self.stuck_after_s:
-                    if s.resubmits >= self.max_resubmits:
-                        self._fail(s, "the reward task's workers kept dying")
-                    else:
-                        stuck_s = now - s.since
-                        s.resubmits += 1
-                        s.status, s.since = None, now
-                        self.resubmitted += 1
-                        log.warning("reward_task_resubmitted", task_id=task_id, stuck_s=round(stuck_s, 1), resubmits=s.resubmits)
-                        self._send(s)
+                self._round()
+            except Exception:  # noqa: BLE001 - this thread is every pending rollout's only way out: it goes on
+                log.exception("reward_collector_round_failed")
+                time.sleep(self.poll_s)
+
+    def _round(self) -> None:
+        """Send what was submitted, read what is ready, enforce the deadlines."""
+        with self._lock:
+            outbox, self._outbox = self._outbox, []
+        self._unsent += self._tasks_of(outbox)
+        unsent = self._unsent
+        now = time.monotonic()
+        while unsent:
+            sent = unsent[0]
+            if now - sent.submitted_at > self.result_timeout_s:  # the broker stayed down
+                self._fail(unsent.pop(0), f"not sent within {self.result_timeout_s:g} s")
+                continue
+            try:
+                self._send(sent)
+            except Exception as exc:  # noqa: BLE001 - the broker is down: sent again next round
+                log.warning("reward_task_not_sent", task_id=sent.task_id, error=str(exc)[:300])
+                time.sleep(self.poll_s)
+                break
+            self._sent[sent.task_id] = unsent.pop(0)
+        if not self._sent:
+            return
+        ids = list(self._sent)
+        try:
+            metas = self._metas(ids)
+        except Exception as exc:  # noqa: BLE001 - the backend is down: keep waiting, the deadlines still hold
+            log.warning("reward_results_unreadable", error=str(exc)[:300])
+            metas = {}
+        now = time.monotonic()
+        for task_id in ids:
+            s = self._sent[task_id]
+            meta = metas.get(task_id)
+            status = meta.get("status") if meta else None
+            if status in states.READY_STATES:
+                self._finish(s, _verdicts(s, meta))  # type: ignore[arg-type]
+                continue
+            if status != s.status:  # started, retried, started again: its clock restarts
+                s.status, s.since = status, now
+            if now - s.submitted_at > self.result_timeout_s:
+                self._fail(s, f"no result within {self.result_timeout_s:g} s")
+            elif status == states.STARTED and now - s.since > self.stuck_after_s:
+                if s.resubmits >= self.max_resubmits:
+                    self._fail(s, "the reward task's workers kept dying")
+                else:
+                    stuck_s = now - s.since
+                    s.resubmits += 1
+                    s.status, s.since = None, now
+                    self.resubmitted += 1
+                    log.warning("reward_task_resubmitted", task_id=task_id, stuck_s=round(stuck_s, 1), resubmits=s.resubmits)
+                    self._send(s)
 
     def _metas(self, ids: list[str]) -> dict[str, dict]:
         backend = self.backend
@@ -307,11 +320,14 @@ def _resolve(fut: asyncio.Future, verdict: Verdict) -> None:
 
 
 def _verdicts(sent: _Sent, meta: dict) -> dict[str, Verdict]:
+    """Each rollout's verdict from its task's result; a result that cannot be read is ``infra``."""
     value = meta.get("result")
     if meta.get("status") == states.SUCCESS:
         results = value if sent.batch else {sent.task_id: value}
-        if isinstance(results, dict) and all(isinstance(results.get(rid), dict) for rid in sent.rids):
+        try:
             return {rid: _verdict_of(results[rid]) for rid in sent.rids}
+        except (TypeError, KeyError, msgspec.ValidationError) as exc:
+            value = f"unreadable result ({type(exc).__name__}: {exc})"
     log.error("reward_task_failed", task_id=sent.task_id, status=meta.get("status"), error=repr(value)[:300])
     return dict.fromkeys(sent.rids, Verdict(0.0, "infra", Feedback(message=f"reward task failed: {value!r}"[:500])))
 

@@ -105,7 +105,7 @@ def verdict_of(score: float | None, answer: str, cfg: JudgeConfig, name: str) ->
     reward = (score - cfg.score_min) / (cfg.score_max - cfg.score_min)
     lines = list(_SCORE_LINE.finditer(answer))
     reasoning = answer[: lines[-1].start()] if lines else ""
-    feedback = Feedback(message=f"judge {name}: {score:g}/{cfg.score_max:g}", text=reasoning.strip()[-1000:] or None)
+    feedback = Feedback(message=f"judge {name}: {score:g}/{cfg.score_max:g}", text=reasoning.strip()[-1000:])
     return Verdict(reward, "pass" if reward >= cfg.pass_at else "fail", feedback, {"judge_score": score})
 
 

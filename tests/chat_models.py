@@ -45,11 +45,13 @@ def bpe_chat_tokenizer(vocab_size: int = 400):
     return fast
 
 
-def create_tiny_qwen2_chat(out_dir: str | Path, *, seed: int = 0, tokenizer=None) -> Path:
+def create_tiny_qwen2_chat(out_dir: str | Path, *, seed: int = 0, tokenizer=None, hidden_size: int = 64,
+                           heads: int = 4, max_positions: int = 256) -> Path:  # fmt: skip
     """A Qwen2-architecture causal LM with the chat tokenizer, saved as an HF directory.
 
     BPE training breaks ties between equally frequent pairs in no fixed order, so two trainings
-    may differ: pass ``tokenizer`` to save one already made."""
+    may differ: pass ``tokenizer`` to save one already made. vLLM's CPU attention wants a head
+    size of 32 or more (``hidden_size / heads``)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -58,12 +60,12 @@ def create_tiny_qwen2_chat(out_dir: str | Path, *, seed: int = 0, tokenizer=None
     torch.manual_seed(seed)
     cfg = Qwen2Config(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,

@@ -133,7 +133,7 @@ def test_a_rollouts_trace_goes_on_in_the_worker_through_the_task_headers(celery_
     scorer = CeleryScorer(app, result_timeout_s=60)
 
     async def score():
-        return await asyncio.gather(*scorer.submit([(T("t", "math", answer="2"), r"\boxed{2}", rid)],
+        return await asyncio.gather(*scorer.submit([(T("t", "python_tests", tests="assert f() == 1\n"), "def f():\n    return 1\n", rid)],
                                                    trace={rid: {"traceparent": f"00-{trace_id}-{parent_id}-01"}}))  # fmt: skip
 
     [v] = asyncio.run(score())
@@ -144,6 +144,29 @@ def test_a_rollouts_trace_goes_on_in_the_worker_through_the_task_headers(celery_
     # and the task's log line carries the trace id (a log search finds the trace, and back)
     scored = [line for line in worker.log.read_text().splitlines() if '"event": "scored"' in line and rid in line]
     assert scored and f'"trace_id": "{trace_id}"' in scored[0], scored
+
+
+def test_batched_rollouts_keep_their_own_traces(celery_run):
+    """Rollouts scored in the worker's process travel together in one task; each one's verify span
+    is still a child of its own score span."""
+    from reward.scorers import CeleryScorer
+
+    app, _, worker = celery_run
+    scorer = CeleryScorer(app, result_timeout_s=60)
+    traces = {f"b-{uuid.uuid4().hex}": (uuid.uuid4().hex, uuid.uuid4().hex[:16]) for _ in range(3)}
+    items = [(T(f"b{i}", "math", answer=str(i)), rf"\boxed{{{i}}}", rid) for i, rid in enumerate(traces)]
+
+    async def score():
+        return await asyncio.gather(
+            *scorer.submit(items, trace={rid: {"traceparent": f"00-{t}-{p}-01"} for rid, (t, p) in traces.items()})
+        )
+
+    assert [v.verdict for v in asyncio.run(score())] == ["pass"] * 3
+    assert scorer.tasks_sent == 1
+    for trace_id, parent_id in traces.values():
+        worker.wait_for(f'"trace_id": "0x{trace_id}"', timeout_s=30)
+        span = worker.log.read_text().split(f'"trace_id": "0x{trace_id}"')[1].split('"parent_id": ', 1)[1]
+        assert span.startswith(f'"0x{parent_id}"')
 
 
 def test_a_verifier_kind_goes_to_its_own_queue(redis_url, tmp_path):

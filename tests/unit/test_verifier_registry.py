@@ -116,3 +116,22 @@ def test_verdicts_are_the_verifiers_type():
     registry.register("why", lambda tasks, completions: [Verdict(0.5, "fail")], style="verdict")
     [v] = score_batch(None, [(task("why"), "x")])
     assert (v.reward, v.verdict) == (0.5, "fail")
+
+
+def test_a_function_that_hangs_scores_error_past_its_limit_and_the_rest_are_scored():
+    import threading
+
+    release = threading.Event()
+    registry.register("hangs", lambda prompts, completions, **_: release.wait(30) and [1.0] * len(completions))
+    try:
+        out = score_batch(None, [(task("hangs", 0), "a"), (task("math", 1, answer="4"), "4")], fn_timeout_s=0.3)
+        assert out[0].verdict == "error" and "did not return within 0.3 s" in out[0].feedback.message
+        assert (out[1].reward, out[1].verdict) == (1.0, "pass")
+    finally:
+        release.set()
+        registry.unregister("hangs")
+
+
+def test_sandbox_kinds_without_a_sandbox_are_infra_not_a_crash():
+    [v] = score_batch(None, [(task("python_program", 0), "1")])
+    assert v.verdict == "infra" and "sandbox" in v.feedback.message
