@@ -32,3 +32,11 @@ def test_gil_contention_bench_smoke():
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FIGURE gil_threads_slowdown" in res.stdout and "FIGURE gil_processes_slowdown" in res.stdout
+
+
+def test_reward_rate_bench_smoke():
+    """The reward tier's bench: batched and one-per-task runs publish a verdict for every rollout."""
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "reward_rate.py"), "--rollouts", "512", "--baseline-rollouts", "64"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
+    assert "FIGURE reward_callable_rate" in res.stdout and "FIGURE reward_batching_speedup" in res.stdout
