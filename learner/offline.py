@@ -83,14 +83,16 @@ def _batches(items: list, size: int, rng: random.Random) -> Iterable[list]:
 
 
 def rejection_sampling_sft(
-    model, rows: Iterable[ScoredRollout], pad_id: int, *, epochs: int = 1, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
-) -> dict:
+    model, rows: Iterable[ScoredRollout], pad_id: int, *, epochs: int = 1, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
+    on_step=None,
+) -> dict:  # fmt: skip
+    """``on_step(1, status=...)`` after each optimizer step (the CLI's progress)."""
     from learner.demonstrations import train_sft
 
     examples = passing_examples(rows)
     if not examples:
         raise ValueError("no passing trajectories to train on")
-    return train_sft(model, examples, pad_id, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed)
+    return train_sft(model, examples, pad_id, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, on_step=on_step)
 
 
 def _seq_logps(model, prompts, completions, pad_id) -> torch.Tensor:
@@ -114,7 +116,9 @@ def train_dpo(
     lr: float = 5e-5,
     beta: float = 0.1,
     seed: int = 0,
+    on_step=None,
 ) -> dict:
+    """``on_step(1, status=...)`` after each optimizer step (the CLI's progress)."""
     if not pairs:
         raise ValueError("no preference pairs (no group had different rewards)")
     ref = copy.deepcopy(model).eval()
@@ -138,6 +142,8 @@ def train_dpo(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             history.append({"loss": float(loss.detach()), **stats})
+            if on_step is not None:
+                on_step(1, status=f"loss {history[-1]['loss']:.3f}, accuracy {stats['accuracy']:.2f}")
     return {
         "pairs": len(pairs),
         "steps": len(history),

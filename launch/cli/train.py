@@ -89,12 +89,21 @@ def rft(
     store: Path = STORE,
 ) -> None:
     """Rejection-sampling SFT: train on the run's passing trajectories."""
-    from learner.offline import rejection_sampling_sft
+    from learner.offline import passing_examples, rejection_sampling_sft
     from storage.lake import LakeFilter, LakeReader
 
     m, tok = _load(model)
-    rows = LakeReader(open_store(config, store), run).iter(LakeFilter(verdicts=frozenset({"pass"})))
-    _save(m, tok, out, rejection_sampling_sft(m, rows, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr))
+    rows = list(LakeReader(open_store(config, store), run).iter(LakeFilter(verdicts=frozenset({"pass"}))))
+    steps = epochs * -(-len(passing_examples(rows)) // batch_size)
+    try:
+        with progress("rft", steps, unit="steps") as advance:
+            stats = rejection_sampling_sft(
+                m, rows, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr, on_step=advance
+            )
+    except ValueError as exc:  # nothing passed: nothing to train on
+        typer.secho(f"{run}: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    _save(m, tok, out, stats)
 
 
 @app.command("dpo")
@@ -116,4 +125,10 @@ def dpo(
 
     m, tok = _load(model)
     pairs = dpo_pairs(LakeReader(open_store(config, store), run).iter(), max_pairs_per_group=pairs_per_group)
-    _save(m, tok, out, train_dpo(m, pairs, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr, beta=beta))
+    try:
+        with progress("dpo", epochs * -(-len(pairs) // batch_size), unit="steps") as advance:
+            stats = train_dpo(m, pairs, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr, beta=beta, on_step=advance)
+    except ValueError as exc:  # no group had different rewards
+        typer.secho(f"{run}: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    _save(m, tok, out, stats)

@@ -46,6 +46,12 @@ def test_the_trainer_and_the_evaluator_report_each_step_and_task(tmp_path):
     examples = [(tok("1+1=").input_ids, tok("2").input_ids)] * 10
     train_sft(model, examples, tok.pad_token_id, epochs=2, batch_size=4, on_step=lambda n, **f: steps.append((n, f)))
     assert len(steps) == 6 and steps[-1][1]["status"].startswith("loss ")  # 2 epochs of 3 batches
+    from learner.offline import Pair, train_dpo
+
+    dpo_steps = []
+    pairs = [Pair(f"t{i}", tok("1+1=").input_ids, tok("2").input_ids, tok("3").input_ids, 1.0) for i in range(5)]
+    train_dpo(model, pairs, tok.pad_token_id, epochs=2, batch_size=2, on_step=lambda n, **f: dpo_steps.append(f["status"]))
+    assert len(dpo_steps) == 6 and dpo_steps[-1].startswith("loss ") and "accuracy" in dpo_steps[-1]
     tasks = [Task(task_id=f"t{i}", run_id="e", prompt="1+1=", verifier=VerifierSpec(kind="math", data={"answer": "2"}))
              for i in range(5)]  # fmt: skip
     done = []
