@@ -111,10 +111,16 @@ class Task(Message, frozen=True, kw_only=True, tag="task"):
     max_turns: int = 1
     """Attempts per sample: above 1, a failed attempt's execution feedback is fed back to the
     model, which tries again (multi-turn self-correction, rollout_workers/multiturn.py)."""
+    tools: list[dict[str, Any]] | None = None
+    """Functions the model may call, in OpenAI's format (``{"type": "function", "function": {name,
+    description, parameters}}``, or the function object alone; parameters a JSON Schema): given to
+    the chat template, and the schemas the ``tool_call`` verifier validates calls against."""
 
     def __post_init__(self) -> None:
         if self.prompt is None and not self.messages:
             raise ValueError("Task needs a prompt or chat messages")
+        if self.tools is not None and not all(isinstance(t, dict) for t in self.tools):
+            raise ValueError("Task.tools must be a list of objects")
         if not 1 <= self.group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"Task.group_size must be in [1, {MAX_GROUP_SIZE}]")
         if self.max_turns < 1:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -18,10 +19,12 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def encode_prompt(tokenizer, prompt: str | None, messages=None) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | None, messages=None, tools=None) -> list[int]:
     """A task's prompt: plain text as is; chat messages (objects or dicts with ``role`` and
     ``content``) through the model's chat template, with the assistant's turn opened
     (``role: content`` lines, then ``assistant:``, for a tokenizer without a template).
+    ``tools`` (a task's, OpenAI's function format) go to the template as its ``tools``; without
+    a template they are a first ``tools:`` line of JSON.
 
     The template is rendered to text and the text encoded without adding special tokens: the
     template writes its own (BOS, ``<|im_start|>``), and ``tokenize=True`` returns a
@@ -30,9 +33,12 @@ def encode_prompt(tokenizer, prompt: str | None, messages=None) -> list[int]:
         return encode(tokenizer, prompt or "")
     turns = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
     turns = [{"role": m["role"], "content": m["content"]} for m in turns]
+    specs = [t if t.get("type") == "function" else {"type": "function", "function": t} for t in tools or ()] or None
     if getattr(tokenizer, "chat_template", None):
-        return encode(tokenizer, tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
-    return encode(tokenizer, "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: ")
+        text = tokenizer.apply_chat_template(turns, tools=specs, add_generation_prompt=True, tokenize=False)
+        return encode(tokenizer, text)
+    head = f"tools: {json.dumps(specs)}\n" if specs else ""
+    return encode(tokenizer, head + "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: ")
 
 
 def cache_keyword(model) -> str:

@@ -52,6 +52,7 @@ from producers.api_limits import (
 )
 from producers.api_runs import ProgressReaders, RunDirectory
 from tasks import registry
+from tasks.function_tools import tools_problem
 
 log = structlog.get_logger(__name__)
 
@@ -103,6 +104,15 @@ class TaskIn(_In):
     split: Literal["train", "heldout"] = "train"
     priority: int = 0
     metadata: dict[str, str] = Field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    """Functions the model may call (OpenAI's format; ``tasks/function_tools.py``)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if v is not None and (why := tools_problem(v)) is not None:
+            raise ValueError(why)
+        return v
 
     @model_validator(mode="after")
     def _one_prompt(self) -> TaskIn:
@@ -157,6 +167,7 @@ def to_task(t: TaskIn, run_id: str, default_group_size: int) -> Task:
         split=t.split,
         priority=t.priority,
         metadata=t.metadata,
+        tools=t.tools,
     )
 
 

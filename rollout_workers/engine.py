@@ -77,7 +77,7 @@ class AsyncEngine(Protocol):
     async def swap(self, weights: bytes, version: int) -> None: ...
     async def close(self) -> None: ...
     def encode(self, text: str) -> list[int]: ...
-    def encode_prompt(self, prompt: str | None, messages=None) -> list[int]: ...
+    def encode_prompt(self, prompt: str | None, messages=None, tools=None) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -177,8 +177,8 @@ class BatchingEngine:
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text)
 
-    def encode_prompt(self, prompt: str | None, messages=None) -> list[int]:
-        return self.inner.encode_prompt(prompt, messages)
+    def encode_prompt(self, prompt: str | None, messages=None, tools=None) -> list[int]:
+        return self.inner.encode_prompt(prompt, messages, tools)
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids)

@@ -95,7 +95,7 @@ async def evaluate(
         stops = tuple(sp.stop) if sp else stop
         stop_ids, texts = stop_rules(stops, engine.encode)
         request = SamplingRequest(
-            engine.encode_prompt(task.prompt, task.messages),
+            engine.encode_prompt(task.prompt, task.messages, task.tools),
             n=n,
             max_tokens=sp.max_tokens if sp else max_tokens,
             temperature=max(temp, 1e-6),

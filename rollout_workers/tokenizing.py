@@ -14,10 +14,10 @@ class Tokenizing:
     def encode(self, text: str) -> list[int]:
         return hf.encode(self.tokenizer, text)
 
-    def encode_prompt(self, prompt: str | None, messages=None) -> list[int]:
-        """A task's prompt as token ids (``conveyor.hf.encode_prompt``: chat messages through the
-        model's chat template)."""
-        return hf.encode_prompt(self.tokenizer, prompt, messages)
+    def encode_prompt(self, prompt: str | None, messages=None, tools=None) -> list[int]:
+        """A task's prompt as token ids (``conveyor.hf.encode_prompt``: chat messages and the
+        task's tools through the model's chat template)."""
+        return hf.encode_prompt(self.tokenizer, prompt, messages, tools)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

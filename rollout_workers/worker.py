@@ -396,7 +396,7 @@ class RolloutWorker:
     async def _sample(self, task: Task, sp: SamplingParams) -> list[Rollout]:
         started = time.time()
         stop_ids, stop_texts = stop_rules(sp.stop, self.engine.encode)
-        prompt = self.engine.encode_prompt(task.prompt, task.messages)
+        prompt = self.engine.encode_prompt(task.prompt, task.messages, task.tools)
         too_long = prompt_refusal(len(prompt), sp, self.limits)
         if too_long:
             raise TaskRefused(too_long)

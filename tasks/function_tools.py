@@ -94,10 +94,53 @@ TOOLS: dict[str, Tool] = {t.name: t for t in (
 )}  # fmt: skip
 
 
-def schema_error(name: str, arguments: Any) -> str | None:
-    """None when ``arguments`` satisfy the schema of tool ``name``; else the first problem, with its JSON path."""
-    err = best_match(TOOLS[name].validator.iter_errors(arguments))
+def schema_error(name: str, arguments: Any, tools: dict[str, Tool] | None = None) -> str | None:
+    """None when ``arguments`` satisfy the schema of tool ``name`` (of ``tools``, else the built-in
+    ones); else the first problem, with its JSON path."""
+    err = best_match((tools or TOOLS)[name].validator.iter_errors(arguments))
     return None if err is None else f"{err.json_path}: {err.message}"
+
+
+def tool_of(spec: dict[str, Any]) -> Tool:
+    """A task's tool, in OpenAI's format (``{"type": "function", "function": {...}}``) or flat
+    (``{"name", "description", "parameters"}``)."""
+    fn = spec.get("function", spec) if spec.get("type") == "function" else spec
+    return Tool(fn["name"], fn.get("description", ""), fn.get("parameters") or {"type": "object", "properties": {}})
+
+
+def tools_problem(specs: Any) -> str | None:
+    """Why a task's ``tools`` cannot be used (naming the tool and what is wrong), or None."""
+    from jsonschema.exceptions import SchemaError
+
+    if not isinstance(specs, list) or not specs:
+        return "expected a non-empty list of tools"
+    names: set[str] = set()
+    for i, spec in enumerate(specs):
+        fn = spec.get("function", spec) if isinstance(spec, dict) and spec.get("type") == "function" else spec
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", fn["name"])
+        ):
+            return f"tools[{i}]: needs a name of letters, digits, '_', '.' or '-' (at most 64)"
+        if fn["name"] in names:
+            return f"tools[{i}]: {fn['name']!r} is given twice"
+        names.add(fn["name"])
+        if not isinstance(fn.get("description", ""), str):
+            return f"tools[{i}] ({fn['name']}): description must be text"
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict):
+            return f"tools[{i}] ({fn['name']}): parameters must be a JSON Schema object"
+        try:
+            Draft202012Validator.check_schema(params)
+        except SchemaError as exc:
+            return f"tools[{i}] ({fn['name']}): parameters is not a valid JSON Schema: {exc.message}"
+    return None
+
+
+def tools_of(task) -> dict[str, Tool]:
+    """The tools a task's model may call: the task's own, else the built-in ones."""
+    return {t.name: t for t in map(tool_of, task.tools)} if task.tools else TOOLS
 
 
 _FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)```", re.S)

@@ -33,8 +33,8 @@ Each kind reads its own payload from ``task.verifier.data``:
     arguments are only schema-checked), ``tolerance`` (relative, for
     numbers; default 1e-6). The completion's call is its last JSON object
     ``{"name": ..., "arguments": {...}}`` (a fenced block's first); the
-    arguments are validated with ``jsonschema`` against the tool's schema in
-    ``tasks/function_tools.py``, then compared with the expected ones (strings
+    arguments are validated with ``jsonschema`` against the tool's schema
+    (the task's own ``tools``, else ``tasks/function_tools.py``'s), then compared with the expected ones (strings
     ignoring case, ISO date-times as instants, lists in any order). Reward 1
     or 0; the feedback names the unknown tool, the schema error's JSON path
     or the wrong argument, never the expected value. No sandbox.
@@ -58,7 +58,7 @@ from sandbox.images import ImageNotAllowed, resolve_image
 from sandbox.runner import ExecResult, Job, Sandbox
 from sandbox.workspace import Workspace
 from tasks import registry
-from tasks.function_tools import TOOLS, parse_call, schema_error, values_match
+from tasks.function_tools import parse_call, schema_error, tools_of, values_match
 from tasks.verdict import Verdict
 
 DEFAULT_FN_TIMEOUT_S = 60.0
@@ -236,7 +236,8 @@ def judge_math(task: Task, completion: str) -> Verdict:
 def judge_tool_call(task: Task, completion: str) -> Verdict:
     data = task.verifier.data
     expected = data.get("expected")
-    if not isinstance(expected, dict) or expected.get("name") not in TOOLS or not isinstance(expected.get("arguments", {}), dict):
+    tools = tools_of(task)
+    if not isinstance(expected, dict) or expected.get("name") not in tools or not isinstance(expected.get("arguments", {}), dict):
         raise VerifierError(f"task {task.task_id}: tool_call needs data.expected with a known tool name and an arguments object")
 
     def fail(message: str) -> Verdict:
@@ -246,11 +247,11 @@ def judge_tool_call(task: Task, completion: str) -> Verdict:
     if call is None:
         return fail('no tool call found: answer with a JSON object {"name": ..., "arguments": {...}}')
     name, args = call.get("name"), call.get("arguments", {})
-    if not isinstance(name, str) or name not in TOOLS:
-        return fail(f"unknown tool {name!r}; the tools are {', '.join(TOOLS)}")
+    if not isinstance(name, str) or name not in tools:
+        return fail(f"unknown tool {name!r}; the tools are {', '.join(tools)}")
     if not isinstance(args, dict):
         return fail(f"the arguments of {name} must be a JSON object")
-    error = schema_error(name, args)
+    error = schema_error(name, args, tools)
     if error is not None:
         return fail(f"the arguments of {name} do not match its schema at {error}")
     if name != expected["name"]:

@@ -73,6 +73,8 @@ class FieldMapping(_Model):
     priority: str | None = None
     sampling: str | None = None
     """Field with sampling parameters (an object like SamplingParams)."""
+    tools: str | None = "tools"
+    """Field with the functions the model may call (OpenAI's format); absent or null: none."""
     metadata: list[str] = Field(default_factory=list)
     """Fields kept as metadata (non-text values as JSON); absent ones are left out."""
     metadata_from: str | None = None

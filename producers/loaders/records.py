@@ -19,6 +19,7 @@ from conveyor.contracts import ChatMessage, DecodeError, SamplingParams, Task, V
 from producers.loaders.errors import FieldError
 from producers.loaders.mapping import FieldMapping, VerifierRule
 from tasks import registry
+from tasks.function_tools import tools_problem
 
 _ROLES = ("system", "user", "assistant", "tool")
 _SPLITS = {
@@ -254,6 +255,16 @@ def build_task(
             sampling = msgspec.convert(value, SamplingParams)
         except msgspec.ValidationError as exc:
             raise FieldError(mapping.sampling, str(exc)) from None
+    tools = None
+    if mapping.tools is not None and (value := get_field(record, mapping.tools)) not in (MISSING, None):
+        if isinstance(value, str):  # datasets often keep the tools as a JSON string
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise FieldError(mapping.tools, "not JSON (expected a list of tools)") from None
+        if (why := tools_problem(value)) is not None:
+            raise FieldError(mapping.tools, why)
+        tools = value
     task = Task(
         task_id=task_id,
         run_id=run_id,
@@ -265,6 +276,7 @@ def build_task(
         split=_split(record, mapping),  # type: ignore[arg-type]
         priority=priority,
         metadata=_metadata(record, mapping, source),
+        tools=tools,
     )
     # The wire is the judge: a task must survive encode/decode as a Task.
     try:

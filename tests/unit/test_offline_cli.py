@@ -16,6 +16,15 @@ from storage.lake import write_parts
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def _logging_left_alone(monkeypatch):
+    """The CLI's callback would point structlog and logging at CliRunner's stderr, which is closed
+    after the invocation: later tests' log lines would fail on it."""
+    import conveyor.logging
+
+    monkeypatch.setattr(conveyor.logging, "configure_logging", lambda *a, **kw: None)
+
+
 @pytest.fixture
 def lake(tmp_path):
     from learner.models import create_tiny_llama
