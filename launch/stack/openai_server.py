@@ -13,11 +13,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from launch.stack.ready import NotReady, wait_http_ready
 
 
 class ServerDidNotStart(RuntimeError):
@@ -52,18 +51,13 @@ class OpenAIServer:
     def start(self, timeout_s: float = 300.0) -> OpenAIServer:
         log = (self.log_path or Path(os.devnull)).open("w")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerDidNotStart(f"vLLM's server exited {self.proc.returncode}: {self._tail()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise ServerDidNotStart(f"vLLM's server did not answer /health within {timeout_s:g} s: {self._tail()}")
+        try:
+            wait_http_ready(self.proc, f"http://127.0.0.1:{self.port}/health", timeout_s, name="vLLM's server",
+                            log_tail=self._tail, every_s=1.0)  # fmt: skip
+        except NotReady as exc:
+            self.stop()
+            raise ServerDidNotStart(str(exc)) from None
+        return self
 
     def _tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -9,7 +9,6 @@ cluster, so the dashboard's queries and the alert rules run unchanged against it
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import httpx
 import yaml
 
 from conveyor.binaries import prometheus_binary
+from launch.stack.ready import NotReady, wait_http_ready
 
 JOB = "conveyor"
 
@@ -73,18 +73,12 @@ class Prometheus:
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-        deadline = time.monotonic() + ready_within_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"prometheus not ready in {ready_within_s:g} s: {self.log_tail()}")
+        try:
+            wait_http_ready(self.proc, f"{self.url}/-/ready", ready_within_s, name="prometheus", log_tail=self.log_tail)
+        except NotReady:
+            self.stop()
+            raise
+        return self
 
     def log_tail(self, chars: int = 2000) -> str:
         path = self.data_dir / "prometheus.log"
