@@ -20,9 +20,9 @@ class JudgeConfig(_Section):
     """Read from ``CONVEYOR_REWARD__JUDGES__<NAME>__API_KEY`` rather than the file, where it is a secret."""
     max_concurrency: int = Field(8, ge=1, le=1024)
     """Requests in flight at once, per reward process."""
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(15.0, gt=0)
     """One request's time limit."""
-    max_retries: int = Field(3, ge=0, le=20)
+    max_retries: int = Field(2, ge=0, le=20)
     """Retries of a request that failed for the endpoint's reasons (connection, 429, 5xx), with
     exponential backoff; past them the sample scores ``error``."""
     temperature: float = Field(0.0, ge=0)
@@ -101,4 +101,10 @@ class RewardConfig(_Section):
     def _ordered(self) -> RewardConfig:
         if not self.timeout_s < self.soft_time_limit_s < self.hard_time_limit_s:
             raise ValueError("need timeout_s < soft_time_limit_s < hard_time_limit_s")
+        for name, judge in self.judges.items():
+            # A judge that cannot answer must be given up on before the Celery task is interrupted:
+            # an interrupted batch is retried whole, and its other samples with it.
+            if judge.timeout_s * (judge.max_retries + 1) >= self.soft_time_limit_s:
+                raise ValueError(f"judges.{name}: timeout_s x (max_retries + 1) must stay below soft_time_limit_s "
+                                 f"({judge.timeout_s:g} x {judge.max_retries + 1} >= {self.soft_time_limit_s:g})")  # fmt: skip
         return self

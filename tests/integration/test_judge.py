@@ -46,8 +46,8 @@ def server(tmp_path_factory):
 
 def configs(url: str) -> dict[str, JudgeConfig]:
     return {
-        "default": JudgeConfig(url=url, model="judge", score_max=9, max_tokens=8, extra_body=HELD, max_retries=1),
-        "free": JudgeConfig(url=url, model="judge", score_max=9, max_tokens=8, max_retries=1),  # garbage out
+        "default": JudgeConfig(url=url, model="judge", score_max=9, max_tokens=8, extra_body=HELD, max_retries=1, timeout_s=3),
+        "free": JudgeConfig(url=url, model="judge", score_max=9, max_tokens=8, max_retries=1, timeout_s=3),  # garbage out
         "away": JudgeConfig(url="http://127.0.0.1:9/v1", model="judge", max_retries=1, timeout_s=2),
     }
 

@@ -73,6 +73,16 @@ def test_the_judge_sees_rubric_conversation_reference_and_response():
         assert part in user["content"]
 
 
+def test_the_run_config_refuses_a_judge_that_would_outlast_the_tasks_soft_limit():
+    from conveyor.config import RunConfig
+    from conveyor.errors import ConfigError
+
+    judges = {"slow": {"url": "http://x/v1", "model": "m", "timeout_s": 30, "max_retries": 1}}
+    with pytest.raises((ConfigError, ValueError), match="judges.slow: timeout_s x"):
+        RunConfig.model_validate({"run_id": "r", "reward": {"soft_time_limit_s": 60, "hard_time_limit_s": 90, "judges": judges}})
+    RunConfig.model_validate({"run_id": "r", "reward": {"soft_time_limit_s": 61, "hard_time_limit_s": 90, "judges": judges}})
+
+
 def test_the_run_config_refuses_a_judge_with_an_empty_scale():
     from pydantic import ValidationError
 
