@@ -41,6 +41,47 @@ def encode_prompt(tokenizer, prompt: str | None, messages=None, tools=None) -> l
     return encode(tokenizer, head + "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: ")
 
 
+_MARK_A, _MARK_O = "\x00conveyor-assistant\x00", "\x00conveyor-observation\x00"
+
+
+def observation_frame(tokenizer, role: str) -> tuple[str, str] | None:
+    """The text a chat template puts around an observation that follows an assistant turn: what
+    closes the assistant's turn and opens ``role``'s, and what closes it and opens the assistant's
+    next turn (ChatML: ``"<|im_end|>\\n<|im_start|>tool\\n"`` and ``"<|im_end|>\\n<|im_start|>assistant\\n"``).
+    Found by rendering a conversation with marker contents; None when the tokenizer has no
+    template, or the template does not render such a turn (then ``role`` ``user`` may)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK_A}, {"role": role, "content": _MARK_O}]
+    try:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the role (jinja raises its own errors)
+        return None
+    if (
+        not isinstance(text, str)
+        or text.count(_MARK_A) != 1
+        or text.count(_MARK_O) != 1
+        or text.index(_MARK_A) > text.index(_MARK_O)
+    ):
+        return None
+    between, after = text.split(_MARK_A, 1)[1].split(_MARK_O, 1)
+    return between, after
+
+
+def observation_ids(tokenizer, text: str, role: str, *, ended_with_eos: bool) -> list[int]:
+    """An observation as the tokens that follow the model's turn: framed as a ``role`` turn of
+    the chat template (then ``user``), else plain text. The model's own tokens are not re-encoded:
+    when its turn already ended with the EOS token the frame's copy of it is left out."""
+    frame = observation_frame(tokenizer, role) or (observation_frame(tokenizer, "user") if role != "user" else None)
+    if frame is None:
+        return encode(tokenizer, text)
+    between, after = frame
+    eos = getattr(tokenizer, "eos_token", None)
+    if ended_with_eos and eos and between.startswith(eos):
+        between = between[len(eos) :]
+    return encode(tokenizer, between + text + after)
+
+
 def cache_keyword(model) -> str:
     """The keyword a causal LM's ``forward`` takes its KV cache by (transformers 5 renamed
     ``past_key_values`` to ``cache``); the output carries it under the same name."""

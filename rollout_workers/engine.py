@@ -78,6 +78,7 @@ class AsyncEngine(Protocol):
     async def close(self) -> None: ...
     def encode(self, text: str) -> list[int]: ...
     def encode_prompt(self, prompt: str | None, messages=None, tools=None) -> list[int]: ...
+    def encode_observation(self, text: str, role: str, *, chat: bool, after: list[int]) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -179,6 +180,9 @@ class BatchingEngine:
 
     def encode_prompt(self, prompt: str | None, messages=None, tools=None) -> list[int]:
         return self.inner.encode_prompt(prompt, messages, tools)
+
+    def encode_observation(self, text: str, role: str, *, chat: bool, after: list[int]) -> list[int]:
+        return self.inner.encode_observation(text, role, chat=chat, after=after)
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids)

@@ -15,9 +15,12 @@ observation tokens carry loss mask 0 and logprob 0 (they were not sampled),
 and each attempt's version segments are shifted to its place in the episode.
 The text of every turn is kept in ``Rollout.turns``; the bridge scores the
 last attempt (a tool episode: its net script, see tasks/terminal_tools.py).
-Observations are plain text appended to the token stream; a chat model's
-template is applied to the task's messages, not re-applied around each
-observation (a chat-formatted observation turn is not built).
+For a chat task the observation is framed by the model's chat template as a
+turn of its own (a ``tool`` turn for tool calls, else ``user``; the frame is
+found by rendering marker contents, ``conveyor.hf.observation_frame``), so the
+model reads it as the conversation it was trained on; the frame's tokens carry
+loss mask 0 like the observation's. A plain-text task, or a tokenizer without a
+template, gets the observation as plain text.
 """
 
 from __future__ import annotations
@@ -114,9 +117,10 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
             break
         still = []
         for i, text in observations.items():
-            ids = engine.encode(text)
+            role = "tool" if sessions is not None else "user"
+            ids = engine.encode_observation(text, role, chat=bool(task.messages), after=attempts[i].token_ids)
             if len(prompt) + len(episodes[i].token_ids) + len(ids) + first.max_tokens <= max_context_tokens:
-                episodes[i].add_observation(ids, text, role="tool" if sessions is not None else "user")
+                episodes[i].add_observation(ids, text, role=role)
                 still.append(i)
         if not still:
             break

@@ -19,5 +19,13 @@ class Tokenizing:
         task's tools through the model's chat template)."""
         return hf.encode_prompt(self.tokenizer, prompt, messages, tools)
 
+    def encode_observation(self, text: str, role: str, *, chat: bool, after: list[int]) -> list[int]:
+        """An observation that follows the model's turn ``after``: for a chat task, framed as a
+        ``role`` turn by the chat template (``conveyor.hf.observation_ids``); else plain text."""
+        if not chat:
+            return self.encode(text)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return hf.observation_ids(self.tokenizer, text, role, ended_with_eos=bool(after) and after[-1] == eos)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
