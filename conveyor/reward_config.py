@@ -77,6 +77,9 @@ class RewardConfig(_Section):
     """Wall-clock limit of one call of a user's verifier function (a batch of samples) in the
     in-process scorer; its samples score ``error`` past it. On Celery workers the task's soft
     time limit interrupts the function instead."""
+    environments: dict[str, str] = Field(default_factory=dict)
+    """Users' environments for multi-turn agents, ``{name: "module:Class"}`` (``tasks/environments.py``);
+    every role registers them at start (the rollout worker drives them, the reward service replays them)."""
     judges: dict[str, JudgeConfig] = Field(default_factory=dict)
     """The LLM judges the ``judge`` verifier may ask, by name (``tasks/judge.py``): the operator's
     endpoints; a task names one (``verifier.data.judge``, default ``default``), never a URL."""

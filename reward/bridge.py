@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 import typing
@@ -299,8 +300,11 @@ def _failed(exc: Exception) -> asyncio.Future:
 
 
 def _judged_text(rollout: Rollout) -> str | None:
-    """What an episode is judged by: a tool episode's net script (the kept calls, replayed from
+    """What an episode is judged by: an environment episode's actions (the model's turns, as a
+    JSON list the environment replays), a tool episode's net script (the kept calls, replayed from
     the task's base), or a self-correction episode's last attempt; None for a single turn."""
+    if rollout.task is not None and rollout.task.verifier.kind == "environment" and rollout.turns:
+        return json.dumps([t.text for t in rollout.turns if t.role == "assistant"])
     script = tool_episode_script(rollout.turns)
     if script is not None:
         return script

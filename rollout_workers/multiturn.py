@@ -81,13 +81,24 @@ async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: Sam
                        max_context_tokens: int, episode_id: str, sandbox=None) -> list[tuple[Completion, Episode]]:  # fmt: skip
     """The group's episodes; each result pairs the spliced completion with its episode record.
     With a ``sandbox`` and a ``terminal`` task, turns are tool calls in a persistent workspace
-    (tasks/terminal_tools.py); otherwise each attempt is judged and its feedback fed back."""
+    (tasks/terminal_tools.py); an ``environment`` task's turns step its environment
+    (tasks/environments.py); otherwise each attempt is judged and its feedback fed back."""
     tool_mode = sandbox is not None and task.verifier.kind == "terminal"
     sessions = None
     if tool_mode:
         from tasks.terminal_tools import ToolEpisode
 
         sessions = await asyncio.to_thread(lambda: [ToolEpisode(sandbox, task) for _ in range(first.n)])
+    elif task.verifier.kind == "environment":
+        from rollout_workers.refusals import TaskRefused
+        from tasks.environments import Session
+
+        try:
+            sessions = await asyncio.to_thread(lambda: [Session(task) for _ in range(first.n)])
+        except Exception as exc:  # noqa: BLE001 - unknown, or its reset fails: this task cannot be served
+            raise TaskRefused(
+                f"environment {task.verifier.data.get('environment')!r}: {type(exc).__name__}: {exc}"[:500]
+            ) from None
     try:
         return await _episodes(engine, scorer, task, prompt, first, max_context_tokens, episode_id, sessions)
     finally:
@@ -105,7 +116,9 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
         texts = {i: engine.decode(attempts[i].token_ids) for i in active}
         for i in active:
             episodes[i].add_attempt(attempts[i], texts[i])
-        if sessions is not None:
+        if sessions is not None and task.verifier.kind == "environment":
+            observations = await asyncio.to_thread(_env_turn, sessions, texts, active)
+        elif sessions is not None:
             observations = await asyncio.to_thread(_tool_turn, sessions, episodes, texts, active)
         elif turn < task.max_turns - 1:
             verdicts = await scorer.score([(task, texts[i], f"{episode_id}/{i}/t{turn}") for i in active])
@@ -134,6 +147,16 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
         attempts = {i: out[0] for i, out in zip(still, nexts)}
         active = still
     return [(e.as_completion(first_version), e) for e in episodes]
+
+
+def _env_turn(sessions, texts: dict[int, str], active: list[int]) -> dict[int, str]:
+    """Step each active episode's environment with the model's turn; the observations of those that go on."""
+    out = {}
+    for i in active:
+        observation = sessions[i].step(texts[i])
+        if observation is not None:
+            out[i] = observation
+    return out
 
 
 def _tool_turn(sessions, episodes: list[Episode], texts: dict[int, str], active: list[int]) -> dict[int, str]:

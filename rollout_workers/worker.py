@@ -412,7 +412,7 @@ class RolloutWorker:
             request_id=f"{task.task_id}/{task.attempt}/{self.worker_id}",
         )
         tools = self.tool_sandbox is not None and task.verifier.kind == "terminal"
-        if task.max_turns > 1 and (self.scorer is not None or tools):
+        if task.max_turns > 1 and (self.scorer is not None or tools or task.verifier.kind == "environment"):
             results = await run_episodes(self.engine, self.scorer, task, prompt, request,
                                          max_context_tokens=self.max_context_tokens, episode_id=request.request_id,
                                          sandbox=self.tool_sandbox if tools else None)  # fmt: skip

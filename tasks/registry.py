@@ -68,6 +68,7 @@ _BUILTIN = (
     VerifierKind("tool_call", ("expected",), "worker", True),
     VerifierKind("reward_model", ("model",), "worker", True),
     VerifierKind("judge", ("rubric",), "worker", True),
+    VerifierKind("environment", ("environment",), "worker", True),
 )
 _kinds: dict[str, VerifierKind] = {k.name: k for k in _BUILTIN}
 _entry_points_read = False

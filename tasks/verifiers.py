@@ -472,6 +472,10 @@ def score_batch(
                 rms.setdefault(task.verifier.data["model"], []).append(i)
             elif kind == "judge":
                 judged.append(i)
+            elif kind == "environment":
+                from tasks.environments import actions_of, replay
+
+                out[i] = replay(task, actions_of(completion))
             else:
                 try:
                     registry.get(kind)

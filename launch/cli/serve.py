@@ -32,12 +32,13 @@ def _load(config: Path, role: str):
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level, run_id=cfg.run_id)
-    from tasks import judge, registry
+    from tasks import environments, judge, registry
 
     judge.configure(cfg.reward.judges)  # the LLM judges the judge verifier may ask
     try:
         registry.configure(cfg.reward.verifiers)  # users' verifier kinds, known to every role
-    except registry.RegistryError as exc:
+        environments.configure(cfg.reward.environments)  # and their environments
+    except (registry.RegistryError, environments.RegistryError) as exc:
         typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     from conveyor.tracing import configure_tracing

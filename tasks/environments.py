@@ -1,0 +1,185 @@
+"""Environments for multi-turn agents: the model acts, the environment answers, over turns.
+
+An environment is a class (or any factory) registered by name, as verifiers are
+(``tasks/registry.py``): in the run config (``reward: {environments: {guess: "my_pkg.envs:Guess"}}``,
+read by every role at start), by an installed package's entry point in the group
+``conveyor.environments``, or in code with :func:`register`. Its instances follow the protocol:
+
+``reset(task) -> str | None``
+    Start an episode for ``task`` (its ``verifier.data`` carries the environment's settings). What
+    it returns is shown to the model as a first observation only if the task's prompt does not
+    already describe the start; return None to add nothing.
+``step(action) -> Step``
+    ``action`` is the model's turn as text. ``Step(observation, reward, done, info)``: the
+    observation is the model's next tool turn (framed by its chat template); ``done`` ends the
+    episode; ``reward`` is the episode's reward so far (the last one given counts).
+``close()``
+    Optional: release what ``reset`` took.
+
+A task uses one with ``verifier: {kind: environment, data: {environment: NAME, ...}}`` and
+``max_turns`` > 1. The rollout worker drives the episode (its process runs the environment, trusted
+code); the reward service scores it by *replaying* the episode's actions in a fresh instance and
+taking the last reward, so the reward is computed where every other reward is, and an episode
+stored in the lake can be scored again. An environment must therefore be deterministic given the
+task and the actions (seed any randomness from the task). An environment that raises, or gives a
+reward that is not a finite number, scores the sample ``error`` with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+from conveyor.contracts import Feedback, Task
+from tasks.verdict import Verdict
+
+ENTRY_POINT_GROUP = "conveyor.environments"
+
+
+@dataclass(frozen=True)
+class Step:
+    observation: str
+    reward: float | None = None
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    def reset(self, task: Task) -> str | None: ...
+    def step(self, action: str) -> Step: ...
+
+
+class RegistryError(ValueError):
+    """An environment that cannot be registered or found (named, with the known ones)."""
+
+
+_factories: dict[str, Callable[[], Environment] | str] = {}
+_entry_points_read = False
+
+
+def _import(target: str, name: str) -> Callable[[], Environment]:
+    module, _, attr = target.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr) if module and attr else None
+    except (ImportError, AttributeError) as exc:
+        raise RegistryError(f"environment {name!r}: cannot import {target!r} ({exc})") from None
+    if not callable(found):
+        raise RegistryError(f"environment {name!r}: {target!r} is not 'module:Class' naming something callable")
+    return found
+
+
+def register(name: str, factory: Callable[[], Environment] | str) -> None:
+    """Bind ``name`` to a class or factory (or ``"module:Class"``, imported now: a registration
+    that cannot work fails at start)."""
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise RegistryError(f"environment name {name!r}: letters, digits, '_' and '-' only")
+    _factories[name] = _import(factory, name) if isinstance(factory, str) else factory
+
+
+def configure(environments: Mapping[str, str]) -> None:
+    """The run config's ``reward.environments``."""
+    for name, target in environments.items():
+        register(name, target)
+
+
+def unregister(name: str) -> None:
+    _factories.pop(name, None)
+
+
+def known() -> tuple[str, ...]:
+    global _entry_points_read
+    if not _entry_points_read:
+        _entry_points_read = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            _factories.setdefault(ep.name, ep.value)
+    return tuple(_factories)
+
+
+def make(name: str) -> Environment:
+    if name not in known():
+        raise RegistryError(f"unknown environment {name!r}; known: {', '.join(known()) or 'none registered'}")
+    factory = _factories[name]
+    if isinstance(factory, str):  # an entry point, imported when first used
+        factory = _factories[name] = _import(factory, name)
+    return factory()
+
+
+def close(env: Environment) -> None:
+    closer = getattr(env, "close", None)
+    if callable(closer):
+        closer()
+
+
+def actions_of(judged: str) -> list[str]:
+    """The episode's actions as the bridge hands them over (a JSON list of the model's turns)."""
+    try:
+        actions = json.loads(judged)
+    except ValueError:
+        return [judged]
+    return actions if isinstance(actions, list) and all(isinstance(a, str) for a in actions) else [judged]
+
+
+def replay(task: Task, actions: list[str]) -> Verdict:
+    """The episode's verdict: its actions stepped through a fresh instance, the last reward given."""
+    name = task.verifier.data.get("environment")
+    if not isinstance(name, str):
+        return Verdict(
+            0.0, "error", Feedback(message=f"bad task: task {task.task_id}: environment verifier needs data.environment")
+        )
+    env = None
+    reward: float | None = None
+    try:
+        env = make(name)
+        env.reset(task)
+        for action in actions:
+            step = env.step(action)
+            if step.reward is not None:
+                reward = step.reward
+            if step.done:
+                break
+    except RegistryError as exc:
+        return Verdict(0.0, "error", Feedback(message=f"bad task: {exc}"))
+    except Exception as exc:  # noqa: BLE001 - a user's environment fails in any way; the service carries on
+        return Verdict(0.0, "error", Feedback(message=f"environment {name}: raised {type(exc).__name__}: {exc}"[:500]))
+    finally:
+        if env is not None:
+            try:
+                close(env)
+            except Exception:  # noqa: BLE001 - the verdict stands; the environment leaked at worst
+                pass
+    if reward is None:
+        return Verdict(0.0, "fail", Feedback(message=f"environment {name} gave no reward"))
+    if not isinstance(reward, int | float) or not math.isfinite(reward):
+        return Verdict(0.0, "error", Feedback(message=f"environment {name}: reward {reward!r} is not a finite number"))
+    return Verdict(float(reward), "pass" if reward >= float(task.verifier.data.get("pass_at", 1.0)) else "fail",
+                   details={"env_steps": float(len(actions))})  # fmt: skip
+
+
+class Session:
+    """One episode in the rollout worker: the environment stepped with the model's turns."""
+
+    def __init__(self, task: Task) -> None:
+        self.env = make(task.verifier.data["environment"])
+        self.env.reset(task)
+        self.done = False
+
+    def step(self, action: str) -> str | None:
+        """The observation for the model's next turn; None once the episode is over (done, or the
+        environment failed: the reward service's replay says why)."""
+        if self.done:
+            return None
+        try:
+            step = self.env.step(action)
+        except Exception:  # noqa: BLE001 - the episode ends; its replay scores it error with the reason
+            self.done = True
+            return None
+        self.done = step.done
+        return None if step.done else step.observation
+
+    def close(self) -> None:
+        close(self.env)
