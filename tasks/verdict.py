@@ -1,10 +1,14 @@
-"""What a verifier says of one completion."""
+"""What a verifier says of one completion, and the error a task's unusable payload raises."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from conveyor.contracts import Feedback
+
+
+class VerifierError(ValueError):
+    """The task's verifier payload is unusable (the task's fault, not the model's)."""
 
 
 @dataclass(frozen=True)

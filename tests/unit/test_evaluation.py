@@ -14,7 +14,7 @@ from conveyor.contracts import Task, VerifierSpec
 from learner.models import create_tiny_llama
 from rollout_workers.engines import open_engine
 from rollout_workers.evaluation import evaluate, pass_at_k
-from tasks.verifiers import judge_math
+from tasks.math_answers import judge_math
 from tests.cli import invoke
 
 ALPHABET = "0123456789+-*() =\n"

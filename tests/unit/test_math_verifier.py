@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conveyor.contracts import Task, VerifierSpec
-from tasks.verifiers import VerifierError, extract_answer, judge_math
+from tasks.math_answers import extract_answer, judge_math
+from tasks.verdict import VerifierError
 
 
 def task(answer, **kw):
@@ -79,7 +80,7 @@ def test_answers_equal_as_mathematics_pass(answer, completion, verdict):
 def test_off_the_main_thread_a_runaway_answer_is_not_compared():
     import threading
 
-    from tasks.verifiers import symbolically_equal
+    from tasks.math_answers import symbolically_equal
 
     out = {}
     worker = threading.Thread(
