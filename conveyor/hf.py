@@ -50,8 +50,19 @@ def observation_frame(tokenizer, role: str) -> tuple[str, str] | None:
     next turn (ChatML: ``"<|im_end|>\\n<|im_start|>tool\\n"`` and ``"<|im_end|>\\n<|im_start|>assistant\\n"``).
     Found by rendering a conversation with marker contents; None when the tokenizer has no
     template, or the template does not render such a turn (then ``role`` ``user`` may)."""
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         return None
+    key = (id(tokenizer), str(template), role)  # rendered once per template and role, not per observation
+    if key not in _frames:
+        _frames[key] = _render_frame(tokenizer, role)
+    return _frames[key]
+
+
+_frames: dict[tuple[int, str, str], tuple[str, str] | None] = {}
+
+
+def _render_frame(tokenizer, role: str) -> tuple[str, str] | None:
     turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK_A}, {"role": role, "content": _MARK_O}]
     try:
         text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)

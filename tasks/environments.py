@@ -27,7 +27,6 @@ reward that is not a finite number, scores the sample ``error`` with the reason.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -36,6 +35,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from conveyor.contracts import Feedback, Task
+from tasks.registry import RegistryError, import_target
 from tasks.verdict import Verdict
 
 ENTRY_POINT_GROUP = "conveyor.environments"
@@ -54,23 +54,12 @@ class Environment(Protocol):
     def step(self, action: str) -> Step: ...
 
 
-class RegistryError(ValueError):
-    """An environment that cannot be registered or found (named, with the known ones)."""
-
-
 _factories: dict[str, Callable[[], Environment] | str] = {}
 _entry_points_read = False
 
 
 def _import(target: str, name: str) -> Callable[[], Environment]:
-    module, _, attr = target.partition(":")
-    try:
-        found = getattr(importlib.import_module(module), attr) if module and attr else None
-    except (ImportError, AttributeError) as exc:
-        raise RegistryError(f"environment {name!r}: cannot import {target!r} ({exc})") from None
-    if not callable(found):
-        raise RegistryError(f"environment {name!r}: {target!r} is not 'module:Class' naming something callable")
-    return found
+    return import_target(target, f"environment {name!r}")
 
 
 def register(name: str, factory: Callable[[], Environment] | str) -> None:

@@ -143,7 +143,7 @@ def judge_verdicts(items: Sequence[tuple[Task, str]]) -> list[Verdict]:
                 else:
                     asks.append((i, name, cfg, key))
     if asks:
-        answers = _Loop.run(_ask_all([(name, cfg, items[i][0], items[i][1]) for i, name, cfg, _ in asks]))
+        answers = _Loop.run(_ask_all([(key, name, cfg, items[i][0], items[i][1]) for i, name, cfg, key in asks]))
         for (i, name, cfg, key), (answer, error) in zip(asks, answers):
             if error is not None:
                 stats["errors"] += 1
@@ -159,12 +159,12 @@ def judge_verdicts(items: Sequence[tuple[Task, str]]) -> list[Verdict]:
     return out
 
 
-async def _ask_all(asks: list[tuple[str, JudgeConfig, Task, str]]) -> list[tuple[str, str | None]]:
-    """(answer text, None) or ("", the reason it has none), per ask; identical asks share one request."""
+async def _ask_all(asks: list[tuple[str, str, JudgeConfig, Task, str]]) -> list[tuple[str, str | None]]:
+    """(answer text, None) or ("", the reason it has none), per (cache key, judge, ...) ask;
+    identical asks share one request."""
     firsts: dict[str, asyncio.Task] = {}
     waits = []
-    for name, cfg, task, completion in asks:
-        key = _key(name, cfg, task, completion)
+    for key, name, cfg, task, completion in asks:
         if key not in firsts:
             firsts[key] = asyncio.ensure_future(_ask(name, cfg, task, completion))
         waits.append(firsts[key])

@@ -74,17 +74,22 @@ _kinds: dict[str, VerifierKind] = {k.name: k for k in _BUILTIN}
 _entry_points_read = False
 
 
-def _import(target: str, name: str) -> Callable:
+def import_target(target: str, what: str) -> Callable:
+    """``"module:function"`` imported; ``what`` (e.g. ``verifier 'length'``) names it in the error."""
     module, _, attr = target.partition(":")
     if not module or not attr:
-        raise RegistryError(f"verifier {name!r}: {target!r} is not 'module:function'")
+        raise RegistryError(f"{what}: {target!r} is not 'module:function'")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise RegistryError(f"verifier {name!r}: cannot import {target!r} ({exc})") from None
+        raise RegistryError(f"{what}: cannot import {target!r} ({exc})") from None
     if not callable(fn):
-        raise RegistryError(f"verifier {name!r}: {target!r} is not callable")
+        raise RegistryError(f"{what}: {target!r} is not callable")
     return fn
+
+
+def _import(target: str, name: str) -> Callable:
+    return import_target(target, f"verifier {name!r}")
 
 
 def register(
@@ -153,7 +158,8 @@ def get(name: str) -> VerifierKind:
 
 def where(name: str) -> str | None:
     """Where a kind's scoring runs (``sandbox`` or ``worker``); None for a kind nobody registered."""
-    found = kinds().get(name)
+    _read_entry_points()
+    found = _kinds.get(name)  # not kinds(): this is asked once per rollout the bridge submits
     return found.where if found is not None else None
 
 

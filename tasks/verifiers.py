@@ -56,7 +56,9 @@ from sandbox.images import ImageNotAllowed, resolve_image
 from sandbox.runner import ExecResult, Job, Sandbox
 from sandbox.workspace import Workspace
 from tasks import registry
+from tasks.environments import actions_of, replay
 from tasks.function_tools import parse_call, schema_error, tools_of, values_match
+from tasks.judge import judge_verdicts
 from tasks.math_answers import judge_math
 from tasks.verdict import Verdict, VerifierError
 
@@ -363,8 +365,6 @@ def score_batch(
             elif kind == "judge":
                 judged.append(i)
             elif kind == "environment":
-                from tasks.environments import actions_of, replay
-
                 out[i] = replay(task, actions_of(completion))
             else:
                 try:
@@ -378,8 +378,6 @@ def score_batch(
         for i, v in zip(idxs, _reward_model_verdicts(model, [items[i] for i in idxs])):
             out[i] = v
     if judged:
-        from tasks.judge import judge_verdicts
-
         for i, v in zip(judged, judge_verdicts([items[i] for i in judged])):  # type: ignore[misc]
             out[i] = v
     for kind, idxs in users.items():

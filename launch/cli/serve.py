@@ -38,7 +38,7 @@ def _load(config: Path, role: str):
     try:
         registry.configure(cfg.reward.verifiers)  # users' verifier kinds, known to every role
         environments.configure(cfg.reward.environments)  # and their environments
-    except (registry.RegistryError, environments.RegistryError) as exc:
+    except registry.RegistryError as exc:  # a verifier or environment that cannot be registered
         typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     from conveyor.tracing import configure_tracing
