@@ -320,7 +320,7 @@ class BridgeConfig(_Section):
 
 
 class SinkConfig(_Section):
-    """The storage sink: scored topic -> Parquet parts in the object store."""
+    """The storage sink: scored topic -> the run's rollouts table (Delta Lake) in the object store."""
 
     flush_rows: int = Field(512, ge=1)
     """Flush after this many rollouts..."""
@@ -332,6 +332,10 @@ class SinkConfig(_Section):
     """Longest wait between retries of a failed write."""
     give_up_after_s: float = Field(3600.0, gt=0)
     """A write still failing after this long stops the sink (non-zero exit) instead of retrying forever."""
+    dedupe_window: int = Field(200_000, ge=0)
+    """Rollout ids this sink stored recently (per process): a scored rollout published twice upstream
+    (a reward bridge that died between publishing and committing) is stored once. Offsets make the
+    sink itself exactly once; this covers the records before it. 0: off."""
 
 
 # --------------------------------------------------------------------------

@@ -105,7 +105,18 @@ def producer_position_key(run_id: str) -> str:
 # the trajectory lake
 
 
+def table_prefix(run_id: str) -> str:
+    """The run's rollouts table (Delta Lake): ``_delta_log/`` and its data files."""
+    return f"{run_prefix(run_id)}rollouts/"
+
+
+def table_lease_prefix(run_id: str) -> str:
+    """Leases of table versions that readers in progress still need (vacuum keeps them)."""
+    return f"{run_prefix(run_id)}rollouts_leases/"
+
+
 def lake_prefix(run_id: str) -> str:
+    """The part-and-manifest layout runs stored before the rollouts table (read, and migrated)."""
     return f"{run_prefix(run_id)}lake/"
 
 

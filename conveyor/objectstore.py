@@ -75,6 +75,7 @@ def _verify(key: str, data: bytes, expected: str | None) -> bytes:
 
 class ObjectStore(Protocol):
     def uri(self, key: str) -> str: ...
+    def table_location(self, prefix: str) -> tuple[str, dict[str, str]]: ...
     def put(self, key: str, data: bytes) -> ObjectInfo: ...
     def put_if_absent(self, key: str, data: bytes, *, sha256: str | None = None) -> bool: ...
     def put_file(self, key: str, path: str | Path) -> ObjectInfo: ...
@@ -106,6 +107,10 @@ class LocalObjectStore:
 
     def uri(self, key: str) -> str:
         return (self.root / _check_key(key)).as_uri()
+
+    def table_location(self, prefix: str) -> tuple[str, dict[str, str]]:
+        """The URI and storage options a table format's library (delta-rs) opens ``prefix`` with."""
+        return (self.root / _check_key(prefix.rstrip("/"))).as_uri(), {}
 
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
@@ -322,6 +327,30 @@ class S3ObjectStore:
     # -- contract
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
+
+    def table_location(self, prefix: str) -> tuple[str, dict[str, str]]:
+        """The URI and storage options a table format's library (delta-rs) opens ``prefix`` with:
+        the same endpoint, credentials and timeouts as this client. Commits use S3 conditional
+        writes (``If-None-Match``), which AWS and the local stack's server honour: no lock service."""
+        cfg = self.cfg
+        opts = {
+            "AWS_REGION": cfg.region,
+            "conditional_put": "etag",
+            "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
+            "connect_timeout": f"{cfg.connect_timeout_s}s",
+            "timeout": f"{cfg.read_timeout_s}s",
+        }
+        if cfg.endpoint_url:
+            opts["AWS_ENDPOINT_URL"] = cfg.endpoint_url
+            if cfg.endpoint_url.startswith("http://"):
+                opts["AWS_ALLOW_HTTP"] = "true"
+        if cfg.access_key_id:
+            opts["AWS_ACCESS_KEY_ID"] = cfg.access_key_id
+        if cfg.secret_access_key is not None:
+            opts["AWS_SECRET_ACCESS_KEY"] = cfg.secret_access_key.get_secret_value()
+        if not cfg.verify_tls:
+            opts["allow_invalid_certificates"] = "true"
+        return f"s3://{self.bucket}/{self._key(prefix.rstrip('/'))}", opts
 
     def put(self, key: str, data: bytes) -> ObjectInfo:
         sha = sha256_hex(data)

@@ -1,16 +1,11 @@
-"""The trajectory lake: scored rollouts as Parquet in the object store.
+"""The trajectory lake: a run's scored rollouts as typed Parquet, and how they are read.
 
-Key layout (all under one run)::
+Where they live (all under one run)::
 
-    runs/<run>/lake/policy_version=<v>/part-<h>.parquet   rows of one flush with that (oldest) version
-    runs/<run>/lake/_manifest/part-<h>.json                the part's key, size, sha256 and column stats
-    runs/<run>/meta/run.json                               run metadata (config, commit, created)
-    runs/<run>/weights/v<version>/model.safetensors        policy versions (the learner)
-
-``<h>`` is the sha256 of the part's sorted rollout ids: the same batch
-written twice has the same name, and ``put_if_absent`` keeps one object.
-A part is written before its manifest entry; the reader treats the parts as
-the source of truth and uses manifest stats only to skip parts.
+    runs/<run>/rollouts/                                    the rollouts table (Delta Lake, storage/table.py)
+    runs/<run>/lake/policy_version=<v>/part-<h>.parquet     the layout before it (storage/lake_parts.py)
+    runs/<run>/meta/run.json                                run metadata (config, commit, created)
+    runs/<run>/weights/v<version>/model.safetensors         policy versions (the learner)
 
 Columns are typed (ids, run, task, policy versions, reward, verdict, token
 ids as ``list<int32>``, logprobs as ``list<float32>``, the loss mask as
@@ -22,20 +17,21 @@ nested structures (version segments, turns, task, feedback, details) are
 JSON strings. A row converts back to the exact
 ``ScoredRollout`` it came from (:func:`rows_from_table`).
 
-Readers deduplicate by ``rollout_id``: a sink killed between writing a part
-and committing its offsets rewrites those rows, possibly grouped into a
-different part, and the reader returns each rollout once (first part in
-key order wins).
+:class:`LakeReader` reads the table when the run has one (each rollout once,
+as any Delta reader sees it; optionally as of a version or a time), and the
+older layout otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import unquote
 
 import msgspec
 import numpy as np
@@ -52,7 +48,7 @@ from conveyor.contracts import (
     Turn,
     VersionSegment,
 )
-from conveyor.objectstore import ObjectNotFound, ObjectStore, sha256_hex
+from conveyor.objectstore import ObjectStore
 
 
 def _required_list(value_type: pa.DataType) -> pa.DataType:
@@ -267,66 +263,6 @@ def rows_from_table(table: pa.Table) -> list[ScoredRollout]:
     return out
 
 
-# --------------------------------------------------------------------------
-# writing
-
-
-@dataclass(frozen=True)
-class PartInfo:
-    key: str
-    rows: int
-    size: int
-    sha256: str
-    policy_version_min: int
-    policy_version_max: int
-    reward_min: float
-    reward_max: float
-    scored_at_min: float
-    scored_at_max: float
-    verdicts: dict[str, int]
-
-
-def write_parts(store: ObjectStore, run_id: str, rows: Sequence[ScoredRollout]) -> list[PartInfo]:
-    """One part per oldest policy version, rows sorted by rollout id, one row per id.
-
-    Idempotent: the same rows give the same keys and bytes; an existing part is kept.
-    Raises the store's errors (``ObjectStoreUnavailable`` while S3 is down)."""
-    unique = {r.rollout_id: r for r in rows}
-    by_version: dict[int, list[ScoredRollout]] = {}
-    for r in unique.values():
-        by_version.setdefault(r.rollout.min_policy_version, []).append(r)
-    parts = []
-    for version, group in sorted(by_version.items()):
-        group.sort(key=lambda r: r.rollout_id)
-        key = part_key(run_id, version, [r.rollout_id for r in group])
-        data = parquet_bytes(group)
-        digest = sha256_hex(data)
-        store.put_if_absent(key, data, sha256=digest)
-        verdicts: dict[str, int] = {}
-        for r in group:
-            verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
-        info = PartInfo(
-            key=key,
-            rows=len(group),
-            size=len(data),
-            sha256=digest,
-            policy_version_min=version,
-            policy_version_max=max(max((s.policy_version for s in r.rollout.version_segments), default=0) for r in group),
-            reward_min=min(r.reward for r in group),
-            reward_max=max(r.reward for r in group),
-            scored_at_min=min(r.scored_at for r in group),
-            scored_at_max=max(r.scored_at for r in group),
-            verdicts=verdicts,
-        )
-        store.put(keys.lake_manifest_key(key), json.dumps(info.__dict__, sort_keys=True).encode())
-        parts.append(info)
-    return parts
-
-
-# --------------------------------------------------------------------------
-# reading
-
-
 @dataclass(frozen=True)
 class LakeFilter:
     """Which rollouts to read; every bound is inclusive, None means unbounded."""
@@ -365,119 +301,156 @@ class LakeFilter:
         )
 
 
-class LakeReader:
-    """Reads a run's lake: the same filter yields the same rollouts in the same order
-    (parts by (policy version, key), rows by rollout id), each rollout once."""
+def filter_table(table: pa.Table, flt: LakeFilter) -> pa.Table:
+    """The rows of ``table`` that ``flt`` admits, in order (vectorised, no Python object per row)."""
+    import pyarrow.compute as pc
 
-    def __init__(self, store: ObjectStore, run_id: str, *, prefetch: int = 4) -> None:
+    mask = None
+    for column, lo, hi in (("policy_version_min", flt.policy_version_min, flt.policy_version_max),
+                           ("reward", flt.reward_min, flt.reward_max),
+                           ("scored_at", flt.scored_after, flt.scored_before)):  # fmt: skip
+        for bound, op in ((lo, pc.greater_equal), (hi, pc.less_equal)):
+            if bound is not None:
+                m = op(table[column], bound)
+                mask = m if mask is None else pc.and_(mask, m)
+    if flt.verdicts is not None:
+        m = pc.is_in(table["verdict"], pa.array(sorted(flt.verdicts), pa.string()))
+        mask = m if mask is None else pc.and_(mask, m)
+    return table if mask is None else table.filter(mask)
+
+
+@dataclass(frozen=True)
+class DataFileEntry:
+    """A committed data file of the table, with the statistics its ``add`` action carries."""
+
+    key: str  # object-store key
+    rows: int
+    size: int
+    policy_version_min: int | None
+    policy_version_max: int | None
+
+
+class LakeReader:
+    """Reads a run's scored rollouts. The same filter yields the same rollouts in the same order:
+    files by (oldest policy version, path), rows as written (policy version, then rollout id).
+
+    With a rollouts table: one snapshot for the reader's life (the newest, ``version``, or the
+    version current at ``as_of``), each rollout once, files pruned by their statistics. Without
+    one: the part-and-manifest layout (``storage/lake_parts.py``), deduplicated on read."""
+
+    def __init__(self, store: ObjectStore, run_id: str, *, prefetch: int = 4, version: int | None = None,
+                 as_of: datetime | None = None) -> None:  # fmt: skip
+        from storage.table import RolloutTable
+
         self.store = store
         self.run_id = run_id
         self.prefetch = prefetch
+        self.table = RolloutTable(store, run_id)
+        self._want = (version, as_of)
+        self._snapshot: Any = None  # deltalake.DeltaTable
+        self._legacy: Any = None  # storage.lake_parts.PartsReader
 
-    def manifest(self) -> dict[str, dict]:
-        out = {}
-        for info in self.store.list(keys.lake_manifest_prefix(self.run_id)):
-            try:
-                m = json.loads(self.store.get(info.key))
-            except (ObjectNotFound, ValueError):
+    def _open(self):
+        if self._snapshot is None and self._legacy is None:
+            if self.table.exists():
+                self._snapshot = self.table.open(*self._want)
+            elif self._want != (None, None):
+                raise ValueError(f"run {self.run_id!r} has no rollouts table: a version or time needs one")
+            else:
+                from storage.lake_parts import PartsReader
+
+                self._legacy = PartsReader(self.store, self.run_id, prefetch=self.prefetch)
+        return self._snapshot
+
+    @property
+    def version(self) -> int | None:
+        """The table version read (None: the run has no table)."""
+        dt = self._open()
+        return dt.version() if dt is not None else None
+
+    def files(self, flt: LakeFilter | None = None) -> list[DataFileEntry]:
+        """The table's files that may hold rows ``flt`` admits (by their min/max statistics), in read order."""
+        flt = flt or LakeFilter()
+        dt = self._open()
+        if dt is None:
+            return []
+        actions = pa.table(dt.get_add_actions(flatten=True)).to_pydict()  # an arro3 table: through the C stream
+        n = len(actions["path"])
+
+        def col(name):
+            return actions.get(name, [None] * n)
+
+        out = []
+        for i, path, rows, size, vlo, vhi, rlo, rhi, slo, shi, dlo, dhi in zip(
+            range(n), actions["path"], actions["num_records"], actions["size_bytes"],
+            col("min.policy_version_min"), col("max.policy_version_min"), col("min.reward"), col("max.reward"),
+            col("min.scored_at"), col("max.scored_at"), col("min.verdict"), col("max.verdict"), strict=True,
+        ):  # fmt: skip
+            del i
+            if not (_overlaps(flt.policy_version_min, flt.policy_version_max, vlo, vhi)
+                    and _overlaps(flt.reward_min, flt.reward_max, rlo, rhi)
+                    and _overlaps(flt.scored_after, flt.scored_before, slo, shi)
+                    and (flt.verdicts is None or dlo is None or any(dlo <= v <= dhi for v in flt.verdicts))):  # fmt: skip
                 continue
-            out[m["key"]] = m
-        return out
+            if "://" in path:
+                raise ValueError(f"rollouts table of {self.run_id!r} references a file outside it: {path}")
+            out.append(DataFileEntry(self.table.prefix + unquote(path), rows or 0, size, vlo, vhi))
+        return sorted(out, key=lambda f: (f.policy_version_min if f.policy_version_min is not None else -1, f.key))
 
     def parts(self, flt: LakeFilter | None = None) -> list[str]:
-        """The parts that may hold rows the filter admits, in replay order. The policy version
-        is in each part's key; the manifest (one GET per part) is read only when the filter
-        bounds reward, time or verdict."""
-        flt = flt or LakeFilter()
-        by_stats = any(b is not None for b in (flt.reward_min, flt.reward_max, flt.scored_after, flt.scored_before, flt.verdicts))
-        manifest = self.manifest() if by_stats else {}
-        keep = []
-        for info in self.store.list(keys.lake_prefix(self.run_id) + "policy_version="):
-            if not info.key.endswith(".parquet"):
-                continue
-            v = keys.lake_version(info.key)
-            if (flt.policy_version_min is not None and v < flt.policy_version_min) or (
-                flt.policy_version_max is not None and v > flt.policy_version_max
-            ):
-                continue
-            m = manifest.get(info.key)
-            if m is not None and not flt.admits_part(m):  # a part without a manifest entry is read
-                continue
-            keep.append(info.key)
-        return sorted(keep, key=lambda k: (keys.lake_version(k), k))
-
-    def _load(self, key: str) -> list[ScoredRollout]:
-        # BufferReader: Arrow reads the bytes in place, without a Python file object (and the GIL).
-        return rows_from_table(pq.read_table(pa.BufferReader(self.store.get(key))))
-
-    def iter(self, flt: LakeFilter | None = None) -> Iterator[ScoredRollout]:
-        flt = flt or LakeFilter()
-        keys = self.parts(flt)
-        seen: set[str] = set()
-        with ThreadPoolExecutor(max(1, self.prefetch)) as pool:
-            futures = [pool.submit(self._load, k) for k in keys[: self.prefetch]]
-            for i in range(len(keys)):
-                rows = futures[i].result()
-                if i + self.prefetch < len(keys):
-                    futures.append(pool.submit(self._load, keys[i + self.prefetch]))
-                futures[i] = None  # type: ignore[call-overload]
-                for s in rows:
-                    if s.rollout_id in seen or not flt.admits(s):
-                        continue
-                    seen.add(s.rollout_id)
-                    yield s
+        """The object keys of the files (or parts) that may hold rows ``flt`` admits, in read order."""
+        if self._open() is None:
+            return self._legacy.parts(flt)
+        return [f.key for f in self.files(flt)]
 
     def iter_tables(self, flt: LakeFilter | None = None) -> Iterator[pa.Table]:
-        """The same rows as :meth:`iter`, in the same order, as Arrow tables (one per part):
-        no Python object per row, for bulk readers (exports, dataset builders)."""
-        import pyarrow.compute as pc
-
+        """The rows as Arrow tables (one per file): no Python object per row, for bulk readers."""
         flt = flt or LakeFilter()
-        keys = self.parts(flt)
-        seen: set[str] = set()
+        if self._open() is None:
+            yield from self._legacy.iter_tables(flt)
+            return
 
         def load(key: str) -> pa.Table:
+            # BufferReader: Arrow reads the bytes in place, without a Python file object (and the GIL).
             return pq.read_table(pa.BufferReader(self.store.get(key)), use_threads=False)
 
         with ThreadPoolExecutor(max(1, self.prefetch)) as pool:
-            for table in pool.map(load, keys):  # map keeps order; up to `prefetch` parts in flight
-                mask = None
-                for column, lo, hi in (("policy_version_min", flt.policy_version_min, flt.policy_version_max),
-                                       ("reward", flt.reward_min, flt.reward_max),
-                                       ("scored_at", flt.scored_after, flt.scored_before)):  # fmt: skip
-                    for bound, op in ((lo, pc.greater_equal), (hi, pc.less_equal)):
-                        if bound is not None:
-                            m = op(table[column], bound)
-                            mask = m if mask is None else pc.and_(mask, m)
-                if flt.verdicts is not None:
-                    m = pc.is_in(table["verdict"], pa.array(sorted(flt.verdicts), pa.string()))
-                    mask = m if mask is None else pc.and_(mask, m)
-                if mask is not None:
-                    table = table.filter(mask)
-                # Each rollout once, first occurrence kept, as `iter`: a part's own ids against the
-                # set of those already yielded (work per part, not per rollout read so far).
-                keep = []
-                for i, rid in enumerate(table["rollout_id"].to_pylist()):
-                    if rid not in seen:
-                        seen.add(rid)
-                        keep.append(i)
-                if len(keep) < table.num_rows:
-                    table = table.take(keep)
+            for table in pool.map(load, self.parts(flt)):  # map keeps order; up to `prefetch` files in flight
+                table = filter_table(table, flt)
                 if table.num_rows:
                     yield table
 
+    def iter(self, flt: LakeFilter | None = None) -> Iterator[ScoredRollout]:
+        if self._open() is None:
+            yield from self._legacy.iter(flt)
+            return
+        for table in self.iter_tables(flt):
+            yield from rows_from_table(table)
+
     def stats(self) -> dict:
-        manifest = self.manifest()
-        rows = sum(m["rows"] for m in manifest.values())
+        dt = self._open()
+        if dt is None:
+            return self._legacy.stats()
+        files = self.files()
         verdicts: dict[str, int] = {}
-        for m in manifest.values():
-            for k, v in m["verdicts"].items():
-                verdicts[k] = verdicts.get(k, 0) + v
-        versions = [m["policy_version_min"] for m in manifest.values()]
+        for f in files:  # one column of each file: the add actions carry no counts
+            for v in pq.read_table(pa.BufferReader(self.store.get(f.key)), columns=["verdict"])["verdict"].to_pylist():
+                verdicts[v] = verdicts.get(v, 0) + 1
+        versions = [f.policy_version_min for f in files if f.policy_version_min is not None]
         return {
-            "parts": len(manifest),
-            "rows": rows,
-            "bytes": sum(m["size"] for m in manifest.values()),
-            "policy_versions": [min(versions), max(versions)] if versions else None,
+            "table_version": dt.version(),
+            "files": len(files),
+            "rows": sum(f.rows for f in files),
+            "bytes": sum(f.size for f in files),
+            "policy_versions": [min(versions), max(f.policy_version_max for f in files if f.policy_version_max is not None)]
+            if versions
+            else None,
             "verdicts": verdicts,
         }
+
+
+def _overlaps(lo, hi, a, b) -> bool:
+    """Whether [a, b] (a file's statistics; None: unknown) meets the filter's [lo, hi]."""
+    if a is None or b is None:
+        return True
+    return (lo is None or b >= lo) and (hi is None or a <= hi)

@@ -1,20 +1,25 @@
-"""Storage sink: scored topic -> Parquet parts in the trajectory lake.
+"""Storage sink: scored topic -> the run's rollouts table (Delta Lake, ``storage/table.py``).
 
-Its own consumer group on the scored topic. Rows are buffered and flushed
-by count or age (``storage/lake.py`` writes one part per oldest policy
-version, named by its contents, put-if-absent, then its manifest entry).
-Offsets are committed only after the object store confirmed every write of
-the flush. Up to ``max_inflight`` flushes (default 2) are written in
-background threads while the next batch is read: encoding one part overlaps
-the S3 server storing the previous one (1.2-1.5x the rate of one at a time,
-docs/BENCHMARKS.md); their commits stay in order. While the object store is down the sink retries the same flush
-with exponential backoff and does not poll (so it holds its position and
-its memory stays bounded); when the store is back the flush lands and the
-offsets are committed. A crash at any point re-reads the uncommitted rows;
-rewriting them is idempotent at the object level, and the reader returns
-each rollout once. A rebalance is the same: a flush whose partitions moved
-before its commit is stored but not committed (``commits_refused``), and the
-new owner re-reads and rewrites its rows. Not polling while the store is down
+Its own consumer group on the scored topic. Rows are buffered and flushed by
+count or age. Each flush is written as one Parquet data file, then committed
+to the table in one atomic Delta commit that also records, per scored-topic
+partition, the next offset to store (a Delta ``txn``). The table is the record
+of what is stored: on assignment the sink seeks each partition to the offset
+the table holds, and Kafka offsets are committed after the table commit only
+as a convenience (and for lag). A sink killed at any point leaves every
+rollout in the table once, for every reader: a data file written but not
+committed is invisible (vacuum removes it), and a flush committed but not
+acknowledged to Kafka is skipped on restart.
+
+Up to ``max_inflight`` flushes (default 2) are encoded and written in
+background threads while the next batch is read (1.2-1.5x the rate of one at
+a time, docs/BENCHMARKS.md); their table commits stay in order. While the
+object store is down the sink retries the same flush with exponential backoff
+and does not poll (so it holds its position and its memory stays bounded).
+A rebalance moves partitions mid-flush: the commit to the table still
+happens, and whichever owner commits second finds the partition's offset
+advanced (delta-rs refuses its commit as a concurrent transaction), drops the
+rows already stored and commits the rest. Not polling while the store is down
 is why ``transport.max_poll_interval_ms`` must outlast ``give_up_after_s``
 (``conveyor/config_checks.py``): otherwise the broker drops the sink from its
 group mid-outage and every flush is redone.
@@ -39,8 +44,9 @@ from conveyor.metrics import SinkMetrics, process_sink_metrics
 from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.tracing import by_trace, start_child
-from conveyor.transport.base import CommitFailed, Transport
-from storage.lake import table_from_rows, write_parts
+from conveyor.transport.base import CommitFailed, TopicPartition, Transport, next_offsets
+from storage.lake import table_from_rows
+from storage.table import ConcurrentCommit, DataFile, RolloutTable, app_id
 
 log = structlog.get_logger(__name__)
 
@@ -63,28 +69,86 @@ class StorageSink:
         self.transport = transport
         self.topics = topics
         self.store = store
+        self.table = RolloutTable(store, topics.run_id)
         self.flush_rows = cfg.flush_rows
         self.flush_s = cfg.flush_s
         self.group_id = group_id or topics.group("storage-sink")
         self.backoff_max_s = cfg.backoff_max_s
         self.give_up_after_s = cfg.give_up_after_s
         self.max_inflight = cfg.max_inflight
+        self.dedupe_window = cfg.dedupe_window
+        self._recent: dict[str, None] = {}  # insertion-ordered: the oldest id is evicted first
         self.rows_written = 0
         self.rows_dead_lettered = 0
+        self.duplicates_dropped = 0  # records of a rollout this sink stored already (see dedupe_window)
+        self.already_stored = 0  # records another writer (or this sink before a restart) committed first
         self.retries = 0
-        self.commits_refused = 0  # flushes whose partitions a rebalance moved before their commit
+        self.commits_refused = 0  # flushes whose table commit found a partition advanced by another writer
         self.first_record_at: float | None = None  # monotonic: first record polled (throughput figures)
         self.last_flush_at: float | None = None
+        self._sub: Subscriber[ScoredRollout] | None = None
+
+    async def _retrying(self, what: str, fn, *args):
+        """``fn(*args)`` in a thread, retried with backoff while storage is unreachable."""
+        delay, started = 0.25, time.monotonic()
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except RetryableError as exc:  # the object store is unreachable: hold position, retry
+                self.retries += 1
+                if time.monotonic() - started > self.give_up_after_s:
+                    raise
+                log.warning(f"lake_{what}_retry", retry_in_s=round(delay, 2), error=str(exc)[:200])
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.backoff_max_s)
+
+    async def _seek_to_table(self, assigned: set[TopicPartition]) -> None:
+        """Each newly assigned partition starts where the table says it was stored up to."""
+        if self._sub is None or not assigned:
+            return
+        ids = {app_id(tp.topic, tp.partition): tp for tp in assigned}
+        stored = await self._retrying("offsets", self.table.committed_offsets, list(ids))
+        for a, offset in stored.items():
+            self._sub.seek(ids[a], offset)
+        log.info("storage_sink.positions", from_table={f"{ids[a].partition}": o for a, o in sorted(stored.items())})
+
+    async def _prepare(self) -> None:
+        """Create the table; a run stored in the older part layout is copied into it first."""
+        from storage.lake_parts import has_parts, migrate_parts
+
+        if not await self._retrying("open", self.table.exists) and await asyncio.to_thread(
+            has_parts, self.store, self.topics.run_id
+        ):
+            rows = await self._retrying("migrate", migrate_parts, self.store, self.topics.run_id)
+            log.info("storage_sink.migrated_parts", rows=rows)
+        await self._retrying("open", self.table.ensure)
+
+    def _fresh(self, deliveries: list[Delivery[ScoredRollout]]) -> list[Delivery[ScoredRollout]]:
+        """Deliveries of rollouts not stored recently by this sink (and not twice in this batch)."""
+        if not self.dedupe_window:
+            return deliveries
+        out = []
+        for d in deliveries:
+            rid = d.message.rollout_id
+            if rid in self._recent:
+                self.duplicates_dropped += 1
+                continue
+            self._recent[rid] = None
+            out.append(d)
+        while len(self._recent) > self.dedupe_window:
+            del self._recent[next(iter(self._recent))]
+        return out
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume, flush, commit; up to ``max_inflight`` flushes run while the next batch is read.
-
-        Commits stay in order: a batch's offsets are committed only after its own
-        write and every earlier one completed."""
+        """Consume, write, commit to the table in order; up to ``max_inflight`` writes run while the
+        next batch is read."""
+        await self._prepare()
         async with ServiceClients(
             self.transport, self.topics.dead_letter, "storage-sink", heartbeats=self.topics, claim_check=self.claim_check
         ) as io:
-            sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout)
+            sub = await io.subscribe([self.topics.scored], self.group_id, ScoredRollout, on_assigned=self._seek_to_table)
+            self._sub = sub  # partitions assigned before the callback could see `sub` are sought here
+            await self._seek_to_table(set(sub.assignment()))
             buffer: list = []
             inflight: deque[tuple[asyncio.Task, list]] = deque()  # oldest first
             oldest = time.monotonic()
@@ -92,21 +156,18 @@ class StorageSink:
 
             async def settle_oldest() -> None:
                 task, deliveries = inflight[0]
-                await task  # raises if the store stayed down past give_up_after_s: nothing committed
+                written = await task  # raises if the store stayed down past give_up_after_s: nothing committed
                 inflight.popleft()
-                # Only partitions still held: the rows of one a rebalance moved are stored, and its new
-                # owner re-reads and rewrites them (the lake reader returns each rollout once).
+                await self._commit(sub, deliveries, *written)
+                # Kafka's offsets follow the table's (lag, and a start without the table's help); only for
+                # partitions still held: a moved one's new owner seeks by the table anyway.
                 assigned = sub.assignment()
                 mine = [d for d in deliveries if d.record.tp in assigned]
-                error = ""
                 try:
                     if mine:
                         await sub.commit(mine)
                 except CommitFailed as exc:  # moved between the check and the commit
-                    mine, error = [], str(exc)[:200]
-                if len(mine) < len(deliveries):
-                    self.commits_refused += 1
-                    log.warning("storage_sink.commit_after_rebalance", rows=len(deliveries) - len(mine), error=error)
+                    log.info("storage_sink.kafka_commit_after_rebalance", rows=len(mine), error=str(exc)[:200])
 
             try:
                 while True:
@@ -137,52 +198,80 @@ class StorageSink:
                     if not task.done():
                         task.cancel()
 
-    async def _flush_until_stored(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]) -> None:
-        # A store span per traced task of the flush: its trace ends when its rows are in the lake.
+    async def _flush_until_stored(
+        self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]
+    ) -> tuple[DataFile | None, list[Delivery[ScoredRollout]]]:
+        # A store span per traced task of the flush: its trace ends when its rows are written.
         spans = [start_child("store", h, **{"conveyor.task_id": ds[0].message.rollout.task_id, "conveyor.rows": len(ds)})
                  for h, ds in by_trace((d, d.record.headers) for d in deliveries).values()]  # fmt: skip
         try:
-            await self._write(sub, deliveries)
+            return await self._write(sub, self._fresh(deliveries))
         finally:
             for span in spans:
                 span.end()
 
-    async def _write(self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]) -> None:
-        delay, started = 0.25, time.monotonic()
-        rows = [d.message for d in deliveries]
-        while True:
+    async def _write(
+        self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]
+    ) -> tuple[DataFile | None, list[Delivery[ScoredRollout]]]:
+        """The flush's data file (None: nothing to store) and the deliveries whose rows it holds."""
+        started = time.monotonic()
+        while deliveries:
             try:
-                parts = await asyncio.to_thread(write_parts, self.store, self.topics.run_id, rows)
+                data = await self._retrying("write", self.table.write_file, [d.message for d in deliveries])
                 break
-            except RetryableError as exc:  # the object store is unreachable: hold position, retry
-                self.retries += 1
-                if time.monotonic() - started > self.give_up_after_s:
-                    raise
-                log.warning("lake_write_retry", rows=len(rows), retry_in_s=round(delay, 2), error=str(exc)[:200])
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, self.backoff_max_s)
+            except RetryableError:
+                raise
             except Exception:
                 # Not the store: a row the lake cannot hold. Find the rows that fail on their own,
                 # dead-letter them and store the rest; a failure no single row explains is raised.
-                rows = await self._without_unstorable(sub, deliveries)
-                if len(rows) == len(deliveries):
+                kept = await self._without_unstorable(sub, deliveries)
+                if len(kept) == len(deliveries):
                     raise
-                if not rows:
+                deliveries = kept
+        else:
+            return None, []
+        if self.metrics:
+            self.metrics.flush_seconds.observe(time.monotonic() - started)
+        return data, deliveries
+
+    async def _commit(self, sub, deliveries: list[Delivery[ScoredRollout]], data: DataFile | None,
+                      stored: list[Delivery[ScoredRollout]]) -> None:  # fmt: skip
+        """One table commit: the flush's file and, per partition, the next offset after the flush."""
+        offsets = {app_id(tp.topic, tp.partition): o for tp, o in next_offsets([d.record for d in deliveries]).items()}
+        files = [data] if data is not None else []
+        if os.environ.get("CONVEYOR_FAILPOINT") == "sink_before_table_commit":  # chaos tests: a file nobody commits
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            try:
+                await self._retrying("commit", self.table.commit, files, offsets)
+                break
+            except ConcurrentCommit:
+                # Another writer stored some of these partitions meanwhile (a rebalance's other owner,
+                # or this sink's predecessor): keep only the records past what the table now holds.
+                self.commits_refused += 1
+                done = await self._retrying("offsets", self.table.committed_offsets, list(offsets))
+                before = len(stored)
+                stored = [d for d in stored if d.record.offset >= done.get(app_id(d.record.tp.topic, d.record.tp.partition), 0)]
+                offsets = {a: o for a, o in offsets.items() if o > done.get(a, 0)}
+                self.already_stored += before - len(stored)
+                log.warning("storage_sink.partition_advanced", already_stored=before - len(stored), left=len(stored))
+                if not offsets:
                     return
-        if os.environ.get("CONVEYOR_FAILPOINT") == "sink_after_write":  # chaos tests: die between write and commit
+                files = [await self._retrying("write", self.table.write_file, [d.message for d in stored])] if stored else []
+        if os.environ.get("CONVEYOR_FAILPOINT") == "sink_before_kafka_commit":  # chaos tests: the table is ahead of Kafka
             os.kill(os.getpid(), signal.SIGKILL)
         self.last_flush_at = time.monotonic()
-        self.rows_written += sum(p.rows for p in parts)
+        rows = sum(f.rows for f in files)
+        self.rows_written += rows
         if self.metrics:
-            self.metrics.rows.inc(sum(p.rows for p in parts))
-            self.metrics.bytes.inc(sum(p.size for p in parts))
-            self.metrics.parts.inc(len(parts))
-            self.metrics.flush_seconds.observe(self.last_flush_at - started)
-        log.info("lake_flush", rows=sum(p.rows for p in parts), parts=len(parts))
+            self.metrics.rows.inc(rows)
+            self.metrics.bytes.inc(sum(f.size for f in files))
+            self.metrics.parts.inc(len(files))
+        log.info("lake_flush", rows=rows, files=len(files))
 
     async def _without_unstorable(
         self, sub: Subscriber[ScoredRollout], deliveries: list[Delivery[ScoredRollout]]
-    ) -> list[ScoredRollout]:
+    ) -> list[Delivery[ScoredRollout]]:
         kept = []
         for d in deliveries:
             try:
@@ -191,5 +280,5 @@ class StorageSink:
                 self.rows_dead_lettered += 1
                 await sub.dead_letter(d, "Unstorable", f"{type(exc).__name__}: {exc}")
             else:
-                kept.append(d.message)
+                kept.append(d)
         return kept

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import typer
@@ -100,18 +102,37 @@ def replay(
     verdict: list[str] | None = typer.Option(None, "--verdict", help="Repeatable: pass, fail, error, ..."),
     since: float | None = typer.Option(None, "--since", help="Scored at or after (unix seconds)."),
     until: float | None = typer.Option(None, "--until", help="Scored at or before (unix seconds)."),
+    table_version: int | None = typer.Option(None, "--table-version", min=0, help="Read the rollouts table as of this version."),
+    as_of: datetime | None = typer.Option(None, "--as-of", help="Read the rollouts table as it was at this time (UTC)."),
     config: Path | None = CONFIG,
     store: Path = STORE,
 ) -> None:
     """Replay a run's trajectories from the lake, in a deterministic order, to a topic or a file."""
     from storage.lake import LakeFilter, LakeReader
-    from storage.replay import export as export_rows
-    from storage.replay import replay_to_topic
 
     if (to_topic is None) == (export is None):
         raise typer.BadParameter("give exactly one of --to-topic or --export")
     flt = LakeFilter(version_min, version_max, reward_min, reward_max, frozenset(verdict) if verdict else None, since, until)
-    reader = LakeReader(open_store(config, store), run)
+    reader = LakeReader(open_store(config, store), run, version=table_version, as_of=as_of)
+    with leased(reader):
+        _replay(reader, flt, run, to_topic, rate, export, out, config)
+
+
+@contextmanager
+def leased(reader):
+    """While a replay or export reads a table version, vacuum keeps that version's files."""
+    lease = reader.table.lease(reader.version, ttl_s=24 * 3600) if reader.version is not None else None
+    try:
+        yield
+    finally:
+        if lease is not None:
+            reader.store.delete(lease)
+
+
+def _replay(reader, flt, run, to_topic, rate, export, out, config) -> None:
+    from storage.replay import export as export_rows
+    from storage.replay import replay_to_topic
+
     if export is not None:
         if export not in ("jsonl", "parquet"):
             raise typer.BadParameter("jsonl or parquet", param_hint="--export")
@@ -135,3 +156,65 @@ def replay(
             await transport.close()
 
     typer.echo(f"published {asyncio.run(main())} rollouts to {to_topic}")
+
+
+@app.command("compact")
+def compact(
+    run: str = typer.Argument(..., help="Run id."),
+    target_mb: int = typer.Option(128, "--target-mb", min=1, help="Size of the files written."),
+    config: Path | None = CONFIG,
+    store: Path = STORE,
+) -> None:
+    """Rewrite a run's rollouts table into fewer, larger files sorted by policy version (one commit;
+    readers of older versions are not disturbed)."""
+    from storage.table import RolloutTable
+
+    table = RolloutTable(open_store(config, store), run)
+    if not table.exists():
+        typer.echo(f"run {run!r} has no rollouts table (conveyor runs migrate copies an older lake into one)", err=True)
+        raise typer.Exit(2)
+    metrics = table.compact(target_mb=target_mb)
+    typer.echo(json.dumps({k: metrics.get(k) for k in ("numFilesAdded", "numFilesRemoved", "totalConsideredFiles")}))
+
+
+@app.command("vacuum")
+def vacuum(
+    run: str = typer.Argument(..., help="Run id."),
+    retention_hours: int = typer.Option(168, "--retention-hours", min=0, help="Keep every file a version this recent needs."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted."),
+    config: Path | None = CONFIG,
+    store: Path = STORE,
+) -> None:
+    """Delete data files no recent table version needs: files compaction replaced, and files a killed
+    sink wrote but never committed. Versions leased by a replay or export in progress are kept."""
+    from storage.table import RolloutTable
+
+    table = RolloutTable(open_store(config, store), run)
+    if not table.exists():
+        typer.echo(f"run {run!r} has no rollouts table", err=True)
+        raise typer.Exit(2)
+    removed = table.vacuum(retention_hours=retention_hours, dry_run=dry_run)
+    typer.echo(f"{'would delete' if dry_run else 'deleted'} {len(removed)} files")
+
+
+@app.command("migrate")
+def migrate(
+    run: str = typer.Argument(..., help="Run id."),
+    delete_parts: bool = typer.Option(False, "--delete-parts", help="Remove the older parts once copied."),
+    config: Path | None = CONFIG,
+    store: Path = STORE,
+) -> None:
+    """Copy a run stored in the older part-and-manifest layout into its rollouts table (each rollout once)."""
+    from storage import lake_parts
+
+    st = open_store(config, store)
+    if not lake_parts.has_parts(st, run):
+        typer.echo(f"run {run!r} has no parts in the older layout", err=True)
+        raise typer.Exit(2)
+    try:
+        rows = lake_parts.migrate_parts(st, run)
+    except ValueError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    removed = lake_parts.delete_parts(st, run) if delete_parts else 0
+    typer.echo(f"copied {rows} rollouts into the table" + (f"; deleted {removed} objects" if removed else ""))

@@ -108,6 +108,7 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
             while latest_step() < start + 3 and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.1)
             time.sleep(0.4)  # land somewhere between checkpoints
+            assert proc.poll() is None, "the learner ended before its kill:\n" + (tmp_path / "learner.log").read_text()[-6000:]
             if ranks == 1:
                 proc.send_signal(signal.SIGKILL)
                 assert proc.wait(10) == -signal.SIGKILL

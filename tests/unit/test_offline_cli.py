@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conveyor.objectstore import LocalObjectStore
 from launch.cli.main import app
-from storage.lake import write_parts
+from storage.table import RolloutTable
 
 pytestmark = pytest.mark.unit
 
@@ -32,9 +32,9 @@ def lake(tmp_path):
 
     create_tiny_llama(tmp_path / "model", ALPHABET, hidden_size=32, layers=1, intermediate_size=64)
     store = LocalObjectStore(tmp_path / "objects")
-    write_parts(store, "run-a", [s for g in range(6) for s in scored_group("run-a", g, 4)])
+    RolloutTable(store, "run-a").append([s for g in range(6) for s in scored_group("run-a", g, 4)])
     failing = [s for g in range(3) for s in scored_group("run-b", g, 2)]
-    write_parts(store, "run-b", [type(s)(rollout=s.rollout, reward=0.0, verdict="fail") for s in failing])
+    RolloutTable(store, "run-b").append([type(s)(rollout=s.rollout, reward=0.0, verdict="fail") for s in failing])
     return tmp_path
 
 

@@ -19,6 +19,7 @@ from conveyor.transport import TopicPartition
 from conveyor.transport.memory import MemoryTransport
 from storage.lake import LakeReader
 from storage.sink import StorageSink
+from storage.table import RolloutTable, app_id
 
 
 class GatedStore(LocalObjectStore):
@@ -86,8 +87,10 @@ async def test_later_flushes_finish_first_but_offsets_commit_in_order(tmp_path):
     assert transport.broker.groups[topics.group("storage-sink")].committed.get(tp) is None
     await publish(rows[20:])
     await asyncio.sleep(0.3)
-    # Nothing may be committed past the held flush, and no third write starts while two are out.
+    # Nothing may be committed past the held flush (to the table or to Kafka), and no third write
+    # starts while two are out.
     assert transport.broker.groups[topics.group("storage-sink")].committed.get(tp) is None
+    assert RolloutTable(store, "r").committed_offsets([app_id(topics.scored, 0)]) == {}
     assert store.started == 2 and store.in_flight_max == 2
 
     first.set()
@@ -96,13 +99,89 @@ async def test_later_flushes_finish_first_but_offsets_commit_in_order(tmp_path):
     assert transport.broker.groups[topics.group("storage-sink")].committed[tp] == 40
     assert store.in_flight_max == 2
     assert sorted(s.rollout_id for s in LakeReader(store, "r").iter()) == sorted(r.rollout_id for r in rows)
-    parts = [o for o in store.list("runs/r/lake/") if o.key.endswith(".parquet")]
+    assert RolloutTable(store, "r").committed_offsets([app_id(topics.scored, 0)]) == {app_id(topics.scored, 0): 40}
+    files = LakeReader(store, "r").files()
     assert registry.get_sample_value("conveyor_lake_rows_total") == 40
-    assert registry.get_sample_value("conveyor_lake_parts_total") == len(parts) >= 3
-    assert registry.get_sample_value("conveyor_lake_bytes_total") == sum(o.size for o in parts)
+    assert registry.get_sample_value("conveyor_lake_parts_total") == len(files) >= 3
+    assert registry.get_sample_value("conveyor_lake_bytes_total") == sum(f.size for f in files)
     assert registry.get_sample_value("conveyor_lake_flush_seconds_count") >= 3
 
 
 def test_max_inflight_below_one_is_refused():
     with pytest.raises(ValueError, match="max_inflight"):
         SinkConfig(max_inflight=0)
+
+
+async def run_sink(transport, topics, store, **cfg) -> StorageSink:
+    """A sink that reads what is published, stores it and stops."""
+    sink = StorageSink(transport, topics, store, SinkConfig(flush_rows=10, flush_s=0.05, **cfg))
+    stop = asyncio.Event()
+    stop.set()  # drain what is there, then return
+    await asyncio.wait_for(sink.run(stop), 30)
+    return sink
+
+
+async def published(rows, partitions: int = 2) -> tuple[MemoryTransport, Topics]:
+    transport = MemoryTransport(partitions=partitions)
+    topics = Topics("r")
+    await transport.create_topics(topics.specs(partitions))
+    pub = Publisher(transport.producer(), topics.scored)
+    await asyncio.gather(*[await pub.publish(r, r.rollout.task_id) for r in rows])
+    return transport, topics
+
+
+async def test_a_table_ahead_of_kafka_is_where_a_restarted_sink_starts(tmp_path):
+    """A sink that died after its table commit and before Kafka's: the next one seeks by the table."""
+    rows = [scored(i) for i in range(30)]
+    transport, topics = await published(rows)
+    store = LocalObjectStore(tmp_path)
+    await run_sink(transport, topics, store)
+    transport.broker.groups[topics.group("storage-sink")].committed.clear()  # Kafka forgot; the table did not
+    again = await run_sink(transport, topics, store)
+    assert again.rows_written == 0
+    ids = [s.rollout_id for s in LakeReader(store, "r").iter()]
+    assert sorted(ids) == sorted(r.rollout_id for r in rows)
+
+
+async def test_a_rollout_published_twice_is_stored_once(tmp_path):
+    rows = [scored(i) for i in range(12)]
+    transport, topics = await published(rows + rows[3:5], partitions=1)  # a reward bridge's redelivery
+    store = LocalObjectStore(tmp_path)
+    sink = await run_sink(transport, topics, store)
+    ids = [s.rollout_id for s in LakeReader(store, "r").iter()]
+    assert sorted(ids) == sorted(r.rollout_id for r in rows) and sink.duplicates_dropped == 2
+
+
+async def test_a_partition_another_writer_advanced_is_not_stored_twice(tmp_path):
+    """The other owner of a rebalanced partition commits its first records while this sink's flush is
+    out: this sink's commit is refused, and it stores only the records past the other's."""
+    rows = [scored(i) for i in range(10)]
+    transport, topics = await published(rows, partitions=1)
+    store = GatedStore(tmp_path)
+    gate = store.gates[0] = threading.Event()
+    RolloutTable(store, "r").ensure()
+    sink = StorageSink(transport, topics, store, SinkConfig(flush_rows=10, flush_s=0.05))
+    stop = asyncio.Event()
+    run = asyncio.create_task(sink.run(stop))
+    await wait_for(lambda: store.started == 1)
+    other = RolloutTable(store, "r")
+    await asyncio.to_thread(other.append, rows[:4], {app_id(topics.scored, 0): 4})
+    gate.set()
+    stop.set()
+    await asyncio.wait_for(run, 30)
+    ids = [s.rollout_id for s in LakeReader(store, "r").iter()]
+    assert sorted(ids) == sorted(r.rollout_id for r in rows)
+    assert sink.commits_refused == 1 and sink.already_stored == 4 and sink.rows_written == 6
+
+
+async def test_a_run_in_the_part_layout_is_migrated_when_the_sink_starts(tmp_path):
+    from storage.lake_parts import write_parts
+
+    store = LocalObjectStore(tmp_path)
+    old = [scored(i) for i in range(100, 108)]
+    write_parts(store, "r", old)
+    rows = [scored(i) for i in range(8)]
+    transport, topics = await published(rows)
+    await run_sink(transport, topics, store)
+    ids = [s.rollout_id for s in LakeReader(store, "r").iter()]
+    assert sorted(ids) == sorted(r.rollout_id for r in old + rows)
