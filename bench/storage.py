@@ -2,14 +2,16 @@
 
 1. Sink: N scored rollouts of 2,048 completion tokens are published to the
    scored topic first; then the storage sink (the service's own code:
-   consume, decode, Parquet, put-if-absent to S3, manifest, commit) is timed
-   until every rollout is in the lake. Reported in rollouts/s, against the
-   demo's rollout rate (``--demo-rate``, the steady rate `conveyor demo`
-   reports, measured on the same machine; see docs/BENCHMARKS.md).
+   consume, decode, Parquet, put to S3, Delta commit with offsets, Kafka
+   commit) is timed until every rollout is in the table. Reported in
+   rollouts/s, against the demo's rollout rate (``--demo-rate``, the steady
+   rate `conveyor demo` reports, measured on the same machine; see
+   docs/BENCHMARKS.md), and against plain boto3 puts of the same files'
+   bytes to the same server with the same concurrency (``sink_vs_put_ratio``).
 2. Replay: the lake's parts are read back as ``ScoredRollout`` objects by
    ``LakeReader.iter`` (GET + Parquet decode + struct construction, 4 parts
    in flight) and as Arrow tables by ``LakeReader.iter_tables`` (GET +
-   Parquet decode + filter/dedupe), against raw boto3 GETs of the same
+   Parquet decode + filter), against raw boto3 GETs of the same
    objects with the same concurrency (bytes only, nothing decoded).
 3. CPU accounting: for each stage, CPU time of this process ("client"), of
    the broker and of the S3 server (psutil) per rollout or per part.
@@ -22,7 +24,7 @@ run is mostly the pipeline filling and draining (two flushes in flight, the last
 nothing to overlap): 4,000 rollouts measured 2,500-3,300/s and 16,000-30,000 measured
 3,700-4,900/s in the same hour. The default is a steady-state run.
 
-Ends with ``FIGURE sink_rollouts_per_s``, ``FIGURE sink_vs_demo_ratio`` and ``FIGURE replay_vs_raw_ratio``.
+Ends with ``FIGURE sink_rollouts_per_s``, ``sink_vs_demo_ratio``, ``sink_vs_put_ratio`` and ``replay_vs_raw_ratio``.
 """
 
 from __future__ import annotations
@@ -116,6 +118,20 @@ async def sink_rate(kafka_cfg, store, run_id: str, n: int, max_inflight: int = 2
     return n / (sink.last_flush_at - sink.first_record_at)
 
 
+def put_rate(store, run_id: str, n: int, inflight: int) -> float:
+    """Rollouts/s of putting the table's data files' bytes to the same S3 server with plain boto3
+    (``inflight`` at once, as the sink writes): the physical limit of the sink on this machine."""
+    from storage.lake import LakeReader
+
+    blobs = [store.get(f.key) for f in LakeReader(store, run_id).files()]
+    client, bucket = store._client, store.bucket
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(inflight) as pool:
+        list(pool.map(lambda ib: client.put_object(Bucket=bucket, Key=store._key(f"put-baseline/{run_id}/{ib[0]}"), Body=ib[1]),
+                      enumerate(blobs)))  # fmt: skip
+    return n / (time.perf_counter() - t0)
+
+
 def replay_rates(store, run_id: str, rounds: int, prefetch: int = 4, meter: CpuMeter | None = None):
     from storage.lake import LakeReader
 
@@ -161,12 +177,12 @@ def main() -> None:
         help="rollouts/s of `conveyor demo` (its display; 909-1,109 over three seeds)",
     )
     ap.add_argument("--sink-inflight", type=int, default=2, help="flushes the sink runs at once (StorageSink.max_inflight)")
-    ap.add_argument("--compression", default=None, help="Parquet codec of the parts (default: storage.lake.COMPRESSION)")
+    ap.add_argument("--compression", default=None, help="Parquet codec of the data files (default: storage.columns.COMPRESSION)")
     args = ap.parse_args()
     if args.compression:
-        import storage.lake
+        import storage.columns
 
-        storage.lake.COMPRESSION = args.compression
+        storage.columns.COMPRESSION = args.compression
 
     from conveyor.config import KafkaTransportConfig, S3StoreConfig
     from conveyor.objectstore import S3ObjectStore
@@ -191,6 +207,8 @@ def main() -> None:
             meter = CpuMeter({"kafka": running["kafka"].pid, "s3": running["s3"].pid})
             rate = asyncio.run(sink_rate(kafka_cfg, store, run_id, args.n, args.sink_inflight, meter))
             print(f"sink: {rate:.0f} rollouts/s")
+            put = put_rate(store, run_id, args.n, args.sink_inflight)
+            print(f"raw boto3 put of the same files: {put:.0f} rollouts/s")
             rates, cpu, parts = replay_rates(store, run_id, args.rounds, meter=meter)
             for o, t, r in zip(rates["iter"], rates["iter_tables"], rates["raw"]):
                 print(
@@ -201,6 +219,7 @@ def main() -> None:
             o, t, r = (statistics.median(rates[k]) for k in ("iter", "iter_tables", "raw"))
             print(f"FIGURE sink_rollouts_per_s {rate:.0f} per_s")
             print(f"FIGURE sink_vs_demo_ratio {rate / args.demo_rate:.2f} x")
+            print(f"FIGURE sink_vs_put_ratio {rate / put:.2f} x")
             print(f"FIGURE replay_rollouts_per_s {o:.0f} per_s")
             print(f"FIGURE replay_vs_raw_ratio {o / r:.2f} x")
             print(f"FIGURE replay_tables_vs_raw_ratio {t / r:.2f} x")

@@ -7,8 +7,10 @@
     runs/<run>/checkpoints/step-<step:09d>.safetensors     a learner checkpoint's tensors
     runs/<run>/checkpoints/latest.json                     pointer to the newest checkpoint
     runs/<run>/producer/position.json                      the producer's position in its source
-    runs/<run>/lake/policy_version=<v>/part-<h>.parquet    trajectory parts (storage/lake.py)
-    runs/<run>/lake/_manifest/part-<h>.json                each part's key, size, sha256 and stats
+    runs/<run>/rollouts/                                   the rollouts table, Delta Lake (storage/table.py)
+    runs/<run>/rollouts_leases/<id>.json                   table versions a replay in progress reads
+    runs/<run>/lake/policy_version=<v>/part-<h>.parquet    trajectory parts before the table (storage/lake_parts.py)
+    runs/<run>/lake/_manifest/part-<h>.json                each such part's key, size, sha256 and stats
     runs/<run>/meta/<name>                                 run metadata (config, summary, report)
     <claims prefix>/<sha256[:2]>/<sha256>                  claim-checked message bodies
 

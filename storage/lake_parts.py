@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from conveyor import keys
 from conveyor.contracts import ScoredRollout
 from conveyor.objectstore import ObjectNotFound, ObjectStore, sha256_hex
-from storage.lake import LakeFilter, filter_table, parquet_bytes, part_key, rows_from_table
+from storage.columns import LakeFilter, filter_table, parquet_bytes, part_key, rows_from_table
 
 # --------------------------------------------------------------------------
 # writing

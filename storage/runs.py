@@ -3,7 +3,7 @@
 runs/<run>/meta/run.json        config, code commit, host, start time (written at start)
 runs/<run>/meta/summary.json    end figures (written at the end)
 runs/<run>/meta/<file>          metrics.jsonl, eval.jsonl, report.png, ...
-runs/<run>/lake/...             trajectories (storage/lake.py)
+runs/<run>/rollouts/...         trajectories: the rollouts table (storage/table.py)
 runs/<run>/weights/v<N>/...     policy versions (the learner)
 """
 

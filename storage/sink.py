@@ -45,7 +45,7 @@ from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics
 from conveyor.tracing import by_trace, start_child
 from conveyor.transport.base import CommitFailed, TopicPartition, Transport, next_offsets
-from storage.lake import table_from_rows
+from storage.columns import table_from_rows
 from storage.table import ConcurrentCommit, DataFile, RolloutTable, app_id
 
 log = structlog.get_logger(__name__)

@@ -26,7 +26,7 @@ comes from the files' min/max statistics, which ``compact`` makes tight by
 sorting on ``policy_version_min`` (Z-order over one column).
 
 The sink writes the Parquet files itself (the measured writer of
-``storage/lake.py``, through the object store's client with its retries and
+``storage/columns.py``, through the object store's client with its retries and
 outage handling) and commits them with delta-rs as ``add`` actions carrying
 the statistics Delta readers prune with.
 """
@@ -154,7 +154,7 @@ class RolloutTable:
         """The table, created with the lake's schema if it does not exist (two creators: one wins)."""
         from deltalake import DeltaTable
 
-        from storage.lake import SCHEMA
+        from storage.columns import SCHEMA
 
         if self._dt is not None:
             return self._dt
@@ -173,7 +173,7 @@ class RolloutTable:
     def write_file(self, rows: Sequence[ScoredRollout]) -> DataFile:
         """One data file with ``rows`` (one per rollout id, sorted by policy version then id); not committed.
         Raises the store's errors (``ObjectStoreUnavailable`` while S3 is down)."""
-        from storage.lake import parquet_bytes, table_from_rows
+        from storage.columns import parquet_bytes, table_from_rows
 
         unique = sorted({r.rollout_id: r for r in rows}.values(), key=lambda r: (r.rollout.min_policy_version, r.rollout_id))
         # A new name per write: a committed file is never overwritten (a rewrite of the same ids may
@@ -209,7 +209,7 @@ class RolloutTable:
         from deltalake.exceptions import CommitFailedError
         from deltalake.transaction import AddAction
 
-        from storage.lake import SCHEMA
+        from storage.columns import SCHEMA
 
         dt = self.ensure()
         now_ms = int(time.time() * 1000)

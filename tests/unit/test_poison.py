@@ -236,20 +236,20 @@ def test_the_ledger_counts_claims_of_an_attempt():
 
 
 def test_the_sink_dead_letters_a_row_the_lake_cannot_hold(tmp_path, monkeypatch):
-    import storage.lake as lake
+    import storage.columns as columns
     import storage.sink as sink_module
     from conveyor.config import SinkConfig
     from storage.lake import LakeReader
     from storage.sink import StorageSink
 
-    real = lake.table_from_rows
+    real = columns.table_from_rows
 
     def picky(rows):
         if any(r.rollout_id == "ro-bad" for r in rows):
             raise TypeError("cannot convert this row")
         return real(rows)
 
-    monkeypatch.setattr(lake, "table_from_rows", picky)
+    monkeypatch.setattr(columns, "table_from_rows", picky)
     monkeypatch.setattr(sink_module, "table_from_rows", picky)
 
     async def main():
