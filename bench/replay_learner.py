@@ -91,10 +91,10 @@ def main() -> None:
             learner.close()
         print(f"round: replay into the batcher {rate:.0f} rollouts/s ({len(batches)} batches), "
               f"learner {learner_rates[-1]:.0f} rollouts/s")  # fmt: skip
-    r, l = statistics.median(replay_rates), statistics.median(learner_rates)
+    r, lr = statistics.median(replay_rates), statistics.median(learner_rates)
     print(f"FIGURE replay_into_batcher_rollouts_per_s {r:.0f} per_s")
-    print(f"FIGURE learner_rollouts_per_s {l:.0f} per_s")
-    print(f"FIGURE replay_vs_learner_ratio {r / l:.1f} x")
+    print(f"FIGURE learner_rollouts_per_s {lr:.0f} per_s")
+    print(f"FIGURE replay_vs_learner_ratio {r / lr:.1f} x")
 
 
 if __name__ == "__main__":
