@@ -97,3 +97,17 @@ def test_the_run_can_be_inspected_and_replayed(demo):
     assert len(rows) == demo.lake_rows and all(r.completion_text is not None for r in rows)
     passing = list(LakeReader(store, "ci-demo").iter(LakeFilter(verdicts=frozenset({"pass"}))))
     assert passing and all(r.reward == 1.0 for r in passing)
+
+
+def test_replay_feeds_the_learner_from_the_runs_table(demo):
+    """bench/replay_learner.py on this run: the lake replayed into the learner's batcher, and the
+    learner's own train step on those batches (the bench's figures come out)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_learner.py"), str(demo.run_dir), "--steps", "2",
+                          "--rounds", "1"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FIGURE replay_vs_learner_ratio" in res.stdout
