@@ -11,7 +11,9 @@
   copy of the starting model as the reference.
 
 Both read the lake through :class:`storage.lake.LakeReader`, so the data is
-exactly what the online run produced (token ids, not re-tokenised text).
+exactly what the online run produced (token ids, not re-tokenised text). The
+CLI hands them :func:`samples_from_tables` over the reader's Arrow tables:
+the five columns they use, with no ``ScoredRollout`` built per row.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import copy
 import random
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,38 +39,58 @@ class Pair:
     margin: float  # reward(chosen) - reward(rejected)
 
 
-def passing_examples(rows: Iterable[ScoredRollout]) -> list[tuple[list[int], list[int]]]:
+@dataclass(frozen=True)
+class Sample:
+    """What the offline recipes read of a lake row."""
+
+    task_id: str
+    verdict: str
+    reward: float
+    prompt: list[int]
+    completion: list[int]
+
+
+def samples_from_tables(tables: Iterable) -> Iterator[Sample]:
+    """The samples of the lake reader's Arrow tables (``LakeReader.iter_tables``), column by column."""
+    names = ["task_id", "verdict", "reward", "prompt_token_ids", "completion_token_ids"]
+    for table in tables:
+        cols = table.select(names).to_pydict()
+        yield from (Sample(*row) for row in zip(*(cols[n] for n in names), strict=True))
+
+
+def _sample(s: ScoredRollout | Sample) -> Sample:
+    if isinstance(s, Sample):
+        return s
+    r = s.rollout
+    return Sample(r.task_id, s.verdict, s.reward, r.prompt_token_ids.tolist(), r.completion_token_ids.tolist())
+
+
+def passing_examples(rows: Iterable[ScoredRollout | Sample]) -> list[tuple[list[int], list[int]]]:
     seen, out = set(), []
-    for s in rows:
+    for s in map(_sample, rows):
         if s.verdict != "pass":
             continue
-        ex = (tuple(s.rollout.prompt_token_ids.tolist()), tuple(s.rollout.completion_token_ids.tolist()))
+        ex = (tuple(s.prompt), tuple(s.completion))
         if ex not in seen:
             seen.add(ex)
             out.append((list(ex[0]), list(ex[1])))
     return out
 
 
-def dpo_pairs(rows: Iterable[ScoredRollout], max_pairs_per_group: int = 4, seed: int = 0) -> list[Pair]:
-    groups: dict[str, list[ScoredRollout]] = defaultdict(list)
-    for s in rows:
+def dpo_pairs(rows: Iterable[ScoredRollout | Sample], max_pairs_per_group: int = 4, seed: int = 0) -> list[Pair]:
+    groups: dict[str, list[Sample]] = defaultdict(list)
+    for s in map(_sample, rows):
         if s.verdict != "infra":
-            groups[s.rollout.task_id].append(s)
+            groups[s.task_id].append(s)
     rng = random.Random(seed)
     pairs = []
     for task_id in sorted(groups):
         group = groups[task_id]
         cands = [
-            Pair(
-                task_id,
-                a.rollout.prompt_token_ids.tolist(),
-                a.rollout.completion_token_ids.tolist(),
-                b.rollout.completion_token_ids.tolist(),
-                a.reward - b.reward,
-            )  # fmt: skip
+            Pair(task_id, a.prompt, a.completion, b.completion, a.reward - b.reward)
             for a in group
             for b in group
-            if a.reward > b.reward and a.rollout.completion_token_ids.tolist() != b.rollout.completion_token_ids.tolist()
+            if a.reward > b.reward and a.completion != b.completion
         ]
         rng.shuffle(cands)
         pairs.extend(cands[:max_pairs_per_group])
@@ -83,7 +105,7 @@ def _batches(items: list, size: int, rng: random.Random) -> Iterable[list]:
 
 
 def rejection_sampling_sft(
-    model, rows: Iterable[ScoredRollout], pad_id: int, *, epochs: int = 1, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
+    model, rows: Iterable[ScoredRollout | Sample], pad_id: int, *, epochs: int = 1, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
     on_step=None,
 ) -> dict:  # fmt: skip
     """``on_step(1, status=...)`` after each optimizer step (the CLI's progress)."""

@@ -192,6 +192,15 @@ class _cached:
         return out
 
 
+def conform(table: pa.Table) -> pa.Table:
+    """``table`` with every column of :data:`SCHEMA`: a file written before a column was added holds
+    nulls there (its own columns are kept as they are, older types included)."""
+    missing = [f for f in SCHEMA if f.name not in table.column_names]
+    for f in missing:
+        table = table.append_column(f.with_nullable(True), pa.nulls(table.num_rows, f.type))
+    return table
+
+
 def rows_from_table(table: pa.Table) -> list[ScoredRollout]:
     """The exact ScoredRollouts a table was written from."""
     n = table.num_rows

@@ -31,6 +31,7 @@ from storage.columns import (
     COMPRESSION,
     SCHEMA,
     LakeFilter,
+    conform,
     filter_table,
     parquet_bytes,
     part_key,
@@ -135,7 +136,7 @@ class LakeReader:
 
         def load(key: str) -> pa.Table:
             # BufferReader: Arrow reads the bytes in place, without a Python file object (and the GIL).
-            return pq.read_table(pa.BufferReader(self.store.get(key)), use_threads=False)
+            return conform(pq.read_table(pa.BufferReader(self.store.get(key)), use_threads=False))
 
         with ThreadPoolExecutor(max(1, self.prefetch)) as pool:
             for table in pool.map(load, self.parts(flt)):  # map keeps order; up to `prefetch` files in flight

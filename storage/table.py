@@ -48,6 +48,7 @@ from conveyor import keys
 from conveyor.contracts import ScoredRollout
 from conveyor.errors import RetryableError
 from conveyor.objectstore import ObjectNotFound, ObjectStore
+from storage.columns import SCHEMA, parquet_bytes, table_from_rows
 
 log = structlog.get_logger(__name__)
 
@@ -154,8 +155,6 @@ class RolloutTable:
         """The table, created with the lake's schema if it does not exist (two creators: one wins)."""
         from deltalake import DeltaTable
 
-        from storage.columns import SCHEMA
-
         if self._dt is not None:
             return self._dt
         try:
@@ -166,15 +165,27 @@ class RolloutTable:
                 raise TableUnavailable(f"rollouts table at {self.uri}: {exc}") from exc
             if not self.exists():  # lost a creation race if it exists now
                 raise
-        self._dt = self.open()
-        return self._dt
+        dt = self.open()
+        self._evolve(dt, SCHEMA)
+        self._dt = dt
+        return dt
+
+    @staticmethod
+    def _evolve(dt, schema: pa.Schema) -> None:
+        """Add the columns ``schema`` has and the table lacks (nullable: older files hold no values
+        for them, and every Delta reader reads those files with nulls there)."""
+        from deltalake import Schema
+
+        have = {f.name for f in dt.schema().fields}
+        new = [f.with_nullable(True) for f in schema if f.name not in have]
+        if new:
+            dt.alter.add_columns(Schema.from_arrow(pa.schema(new)).fields)
+            log.info("rollouts_table.columns_added", columns=[f.name for f in new])
 
     # -- writing
     def write_file(self, rows: Sequence[ScoredRollout]) -> DataFile:
         """One data file with ``rows`` (one per rollout id, sorted by policy version then id); not committed.
         Raises the store's errors (``ObjectStoreUnavailable`` while S3 is down)."""
-        from storage.columns import parquet_bytes, table_from_rows
-
         unique = sorted({r.rollout_id: r for r in rows}.values(), key=lambda r: (r.rollout.min_policy_version, r.rollout_id))
         # A new name per write: a committed file is never overwritten (a rewrite of the same ids may
         # differ, a re-score's timestamps), and a written-then-abandoned one is left to vacuum.
@@ -208,8 +219,6 @@ class RolloutTable:
         from deltalake import CommitProperties, Transaction
         from deltalake.exceptions import CommitFailedError
         from deltalake.transaction import AddAction
-
-        from storage.columns import SCHEMA
 
         dt = self.ensure()
         now_ms = int(time.time() * 1000)

@@ -89,11 +89,13 @@ def rft(
     store: Path = STORE,
 ) -> None:
     """Rejection-sampling SFT: train on the run's passing trajectories."""
-    from learner.offline import passing_examples, rejection_sampling_sft
+    from learner.offline import passing_examples, rejection_sampling_sft, samples_from_tables
     from storage.lake import LakeFilter, LakeReader
 
     m, tok = _load(model)
-    rows = list(LakeReader(open_store(config, store), run).iter(LakeFilter(verdicts=frozenset({"pass"}))))
+    rows = list(
+        samples_from_tables(LakeReader(open_store(config, store), run).iter_tables(LakeFilter(verdicts=frozenset({"pass"}))))
+    )
     steps = epochs * -(-len(passing_examples(rows)) // batch_size)
     try:
         with progress("rft", steps, unit="steps") as advance:
@@ -120,11 +122,12 @@ def dpo(
     store: Path = STORE,
 ) -> None:
     """DPO on pairs built inside groups (higher reward chosen, lower rejected)."""
-    from learner.offline import dpo_pairs, train_dpo
+    from learner.offline import dpo_pairs, samples_from_tables, train_dpo
     from storage.lake import LakeReader
 
     m, tok = _load(model)
-    pairs = dpo_pairs(LakeReader(open_store(config, store), run).iter(), max_pairs_per_group=pairs_per_group)
+    samples = samples_from_tables(LakeReader(open_store(config, store), run).iter_tables())
+    pairs = dpo_pairs(samples, max_pairs_per_group=pairs_per_group)
     try:
         with progress("dpo", epochs * -(-len(pairs) // batch_size), unit="steps") as advance:
             stats = train_dpo(m, pairs, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr, beta=beta, on_step=advance)

@@ -12,9 +12,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from deltalake.transaction import AddAction
 from unit.test_lake_codec import scored
 
-from storage.lake import SCHEMA, LakeFilter, LakeReader, parquet_bytes, part_key, rows_from_table
+from storage.lake import SCHEMA, LakeFilter, LakeReader, parquet_bytes, part_key, rows_from_table, table_from_rows
 from storage.lake_parts import migrate_parts, write_parts
 from storage.table import ConcurrentCommit, RolloutTable, app_id
 
@@ -193,3 +194,28 @@ def test_file_statistics_prune_what_a_filter_excludes(tmp_path):
     assert store.gets == [reader.files(LakeFilter(policy_version_min=4))[0].key]  # the low file skipped by its statistics
     store.gets.clear()
     assert list(reader.iter(LakeFilter(policy_version_min=5))) == [] and store.gets == []
+
+
+def test_a_column_added_to_the_schema_is_added_to_an_older_table(store):
+    """A table created before a column existed gains it at the next writer's start; its older files
+    read with nulls there, through Conveyor's reader and a foreign one."""
+    from deltalake import DeltaTable
+
+    older = pa.schema([f for f in SCHEMA if f.name != "split"])
+    uri, options = store.table_location("runs/r/rollouts")
+    DeltaTable.create(uri, older, storage_options=options or None)
+    table = RolloutTable(store, "r")
+    path = "part-older.parquet"
+    data = table_from_rows(rows(0, 4)).drop_columns(["split"])
+    buf = io.BytesIO()
+    pq.write_table(data, buf)
+    store.put(table.prefix + path, buf.getvalue())
+    DeltaTable(uri, storage_options=options or None).create_write_transaction(
+        [AddAction(path, len(buf.getvalue()), {}, 0, True, '{"numRecords": 4}')], "append", older
+    )
+    append(store, "r", rows(4, 8))
+    assert "split" in [f.name for f in RolloutTable(store, "r").open().schema().fields]
+    reader = LakeReader(store, "r")
+    splits = [v for t in reader.iter_tables() for v in t["split"].to_pylist()]
+    assert sorted(splits, key=str) == sorted([None] * 4 + ["train"] * 4, key=str)
+    assert len(list(reader.iter())) == 8 and foreign_count(store, "r") == (8, 8)

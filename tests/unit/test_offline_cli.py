@@ -57,3 +57,14 @@ def test_nothing_to_train_on_is_exit_2_with_the_reason(lake, recipe, why):
                                    "--store", str(lake / "objects")])  # fmt: skip
     assert res.exit_code == 2 and why in res.output, res.output
     assert not (lake / "x").exists()
+
+
+def test_the_recipes_read_the_same_from_arrow_tables_as_from_rollouts(lake):
+    """The CLI feeds the recipes the lake's columns (no ScoredRollout per row): same examples, same pairs."""
+    from learner.offline import dpo_pairs, passing_examples, samples_from_tables
+    from storage.lake import LakeReader
+
+    reader = LakeReader(LocalObjectStore(lake / "objects"), "run-a")
+    assert passing_examples(samples_from_tables(reader.iter_tables())) == passing_examples(reader.iter())
+    pairs = dpo_pairs(samples_from_tables(reader.iter_tables()))
+    assert pairs and pairs == dpo_pairs(reader.iter())
