@@ -87,6 +87,10 @@ class StorageSink:
         self.first_record_at: float | None = None  # monotonic: first record polled (throughput figures)
         self.last_flush_at: float | None = None
         self._sub: Subscriber[ScoredRollout] | None = None
+        # Next offset known stored per app id (this sink's commits, and the table's when it seeks): a
+        # partition re-assigned to this sink mid-flush is sought behind flushes still in flight, and
+        # the records read twice must not be committed twice, nor the table's offset moved back.
+        self._stored: dict[str, int] = {}
 
     async def _retrying(self, what: str, fn, *args):
         """``fn(*args)`` in a thread, retried with backoff while storage is unreachable."""
@@ -110,6 +114,7 @@ class StorageSink:
         stored = await self._retrying("offsets", self.table.committed_offsets, list(ids))
         for a, offset in stored.items():
             self._sub.seek(ids[a], offset)
+            self._stored[a] = max(self._stored.get(a, 0), offset)
         log.info("storage_sink.positions", from_table={f"{ids[a].partition}": o for a, o in sorted(stored.items())})
 
     async def _prepare(self) -> None:
@@ -241,7 +246,17 @@ class StorageSink:
         files = [data] if data is not None else []
         if os.environ.get("CONVEYOR_FAILPOINT") == "sink_before_table_commit":  # chaos tests: a file nobody commits
             os.kill(os.getpid(), signal.SIGKILL)
+        done = self._stored
         while True:
+            before = len(stored)
+            stored = [d for d in stored if d.record.offset >= done.get(app_id(d.record.tp.topic, d.record.tp.partition), 0)]
+            offsets = {a: o for a, o in offsets.items() if o > done.get(a, 0)}
+            if len(stored) < before:  # read twice (a re-assignment), or stored by another writer meanwhile
+                self.already_stored += before - len(stored)
+                log.warning("storage_sink.already_stored", records=before - len(stored), left=len(stored))
+                files = [await self._retrying("write", self.table.write_file, [d.message for d in stored])] if stored else []
+            if not offsets:
+                return
             try:
                 await self._retrying("commit", self.table.commit, files, offsets)
                 break
@@ -250,14 +265,10 @@ class StorageSink:
                 # or this sink's predecessor): keep only the records past what the table now holds.
                 self.commits_refused += 1
                 done = await self._retrying("offsets", self.table.committed_offsets, list(offsets))
-                before = len(stored)
-                stored = [d for d in stored if d.record.offset >= done.get(app_id(d.record.tp.topic, d.record.tp.partition), 0)]
-                offsets = {a: o for a, o in offsets.items() if o > done.get(a, 0)}
-                self.already_stored += before - len(stored)
-                log.warning("storage_sink.partition_advanced", already_stored=before - len(stored), left=len(stored))
-                if not offsets:
-                    return
-                files = [await self._retrying("write", self.table.write_file, [d.message for d in stored])] if stored else []
+                for a, o in done.items():
+                    self._stored[a] = max(self._stored.get(a, 0), o)
+        for a, o in offsets.items():
+            self._stored[a] = max(self._stored.get(a, 0), o)
         if os.environ.get("CONVEYOR_FAILPOINT") == "sink_before_kafka_commit":  # chaos tests: the table is ahead of Kafka
             os.kill(os.getpid(), signal.SIGKILL)
         self.last_flush_at = time.monotonic()
