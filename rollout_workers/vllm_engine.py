@@ -62,6 +62,25 @@ class _InFlight:
     """(lengths at a swap, the version that took over)."""
 
 
+def engine_args(args: dict):
+    """vLLM's ``AsyncEngineArgs`` for ``args``, checked by vLLM's own config classes (the types and bounds
+    of every argument, the model's config against them) before any process starts: a refused argument
+    is a ``ConfigError`` that names it, not a traceback from the engine's core."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from conveyor.errors import ConfigError
+
+    try:
+        parsed = AsyncEngineArgs(**args)
+    except TypeError as exc:  # an argument this vLLM does not have
+        raise ConfigError(f"rollout.vllm.extra: {exc}".replace("AsyncEngineArgs.__init__() got ", "")) from None
+    try:
+        parsed.create_engine_config()
+    except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(f"rollout.vllm: vLLM refused its engine arguments: {exc}") from None
+    return parsed
+
+
 class VLLMEngine(Tokenizing):
     def __init__(
         self,
@@ -95,8 +114,8 @@ class VLLMEngine(Tokenizing):
             enforce_eager=enforce_eager,
             **({"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes else {}),
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
-            **(extra_engine_args or {}),
         )
+        self.engine_args.update(extra_engine_args or {})  # the section's other fields and `extra` (checked at start)
         self.speculative = bool(speculative_config)
         self.trust_speculative_logprobs = trust_speculative_logprobs
         self.llm = None
@@ -113,14 +132,14 @@ class VLLMEngine(Tokenizing):
         """Start the engine (its core runs in child processes; about 50 s on CPU)."""
         if self.llm is not None:
             return
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._swap_lock = asyncio.Lock()
         # Off the event loop: building the engine (its core process's start, the model's load and
         # warm-up) takes tens of seconds, during which the loop's other work (heartbeats, other
         # engines starting) goes on. AsyncLLM starts its output handler on the first request then.
-        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.engine_args))
+        args = engine_args(self.engine_args)
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         log.info("vllm.started", model=str(self.model_dir), speculative=bool(self.engine_args["speculative_config"]))
 
     async def generate(self, request: SamplingRequest) -> list[Completion]:
