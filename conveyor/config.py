@@ -215,6 +215,11 @@ class LearnerConfig(_Section):
     pack_tokens: int = Field(4096, ge=0)
     """Sequences are packed (no padding) into packs of this many tokens; 0: pad instead."""
     activation_checkpointing: bool = False
+    attn_implementation: Literal["sdpa", "flash_attention_2"] = "sdpa"
+    """The attention kernel the learner's model uses. flash_attention_2 (the flash-attn extra, a CUDA GPU)
+    takes packed sequences through its varlen kernel: memory linear in the pack, but a group's prompt is
+    laid down once per sample (learner/packing.py). Checked at start. Not eager: it adds a pack's boolean
+    mask to the scores instead of applying it (its packed log-probs came out wrong)."""
     micro_batch: int = Field(0, ge=0)
     """Sequences per forward/backward; gradients accumulate over the step's batch (0: all at once)."""
     updates_per_batch: int = Field(1, ge=1)

@@ -22,7 +22,10 @@ def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    check_attn_implementation(cfg.learner.attn_implementation)
+    policy = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=cfg.learner.attn_implementation
+    )
     if torch.cuda.is_available():
         policy = policy.cuda()
     if cfg.learner.activation_checkpointing:
@@ -32,6 +35,22 @@ def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
 
         policy = shard(policy, mixed_precision=torch.cuda.is_available())
     return policy, tok
+
+
+def check_attn_implementation(name: str) -> None:
+    """Refuse at start an attention kernel this machine cannot run (rather than fail inside the first step)."""
+    import importlib.util
+
+    import torch
+
+    from conveyor.errors import ConfigError
+
+    if name == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("learner.attn_implementation: flash_attention_2 needs the flash-attn package "
+                              "(pip install -e '.[flash-attn]'); sdpa needs nothing")  # fmt: skip
+        if not torch.cuda.is_available():
+            raise ConfigError("learner.attn_implementation: flash_attention_2 runs on a CUDA GPU only; sdpa runs anywhere")
 
 
 def admission_bound(cfg: RunConfig) -> int:

@@ -105,3 +105,23 @@ def test_a_shared_prompt_is_refused_under_flash_attention(model):
             packed_completion_logprobs(m, SHARED_PROMPTS, SHARED_COMPLETIONS, share_prompts=True)
     finally:
         m.config._attn_implementation = before
+
+
+def test_the_configured_attention_kernel_is_the_models_and_one_that_cannot_run_is_refused(tmp_path):
+    """``learner.attn_implementation`` reaches the model load_policy builds; flash_attention_2 is refused at
+    start where it cannot run (no flash-attn, no CUDA), naming the field; eager is not a choice."""
+    from pydantic import ValidationError
+
+    from conveyor.config import RunConfig
+    from conveyor.errors import ConfigError
+    from learner.build import load_policy
+    from learner.models import create_tiny_llama
+    from tasks.suites.pyexpr import ALPHABET
+
+    create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    policy, _ = load_policy(tmp_path / "m", RunConfig(learner={"attn_implementation": "sdpa"}))
+    assert policy.config._attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="learner.attn_implementation: flash_attention_2"):
+        load_policy(tmp_path / "m", RunConfig(learner={"attn_implementation": "flash_attention_2"}))
+    with pytest.raises(ValidationError, match="attn_implementation"):
+        RunConfig(learner={"attn_implementation": "eager"})
