@@ -51,7 +51,7 @@ from producers.api_limits import (
     task_errors,
 )
 from producers.api_runs import ProgressReaders, RunDirectory
-from tasks import registry
+from tasks import environments, registry
 from tasks.function_tools import tools_problem
 
 log = structlog.get_logger(__name__)
@@ -80,6 +80,12 @@ class VerifierIn(_In):
         if v not in registry.known():  # the built-in kinds and those the run config or packages register
             raise ValueError(f"unknown verifier kind {v!r}; known: {', '.join(registry.known())}")
         return v
+
+    @model_validator(mode="after")
+    def _environment_known(self) -> VerifierIn:
+        if self.kind == "environment" and (why := environments.problem(self.data.get("environment"))) is not None:
+            raise ValueError(f"data.environment: {why}")
+        return self
 
 
 class SamplingIn(_In):

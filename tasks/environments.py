@@ -89,6 +89,16 @@ def known() -> tuple[str, ...]:
     return tuple(_factories)
 
 
+def problem(name: object) -> str | None:
+    """Why a task naming ``name`` as its environment cannot be run (None: it can): what the producer's
+    intake says, so a typo is refused at submission, not after a rollout was sampled."""
+    if not isinstance(name, str) or not name:
+        return f"expected an environment's name, got {name!r}"
+    if name not in known():
+        return f"unknown environment {name!r}; known: {', '.join(known()) or 'none (reward.environments registers them)'}"
+    return None
+
+
 def make(name: str) -> Environment:
     if name not in known():
         raise RegistryError(f"unknown environment {name!r}; known: {', '.join(known()) or 'none registered'}")

@@ -18,7 +18,7 @@ import msgspec
 from conveyor.contracts import ChatMessage, DecodeError, SamplingParams, Task, VerifierSpec, decode, encode
 from producers.loaders.errors import FieldError
 from producers.loaders.mapping import FieldMapping, VerifierRule
-from tasks import registry
+from tasks import environments, registry
 from tasks.function_tools import tools_problem
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -154,6 +154,8 @@ def _check_payload(kind: str, data: dict[str, Any], sources: dict[str, str]) -> 
                 raise FieldError(where, "empty tests")
         elif key == "expected" and not isinstance(value, dict):
             raise FieldError(where, f"expected an object, got {_type_name(value)}")
+        elif key == "environment" and (why := environments.problem(value)) is not None:
+            raise FieldError(where, why)
 
 
 def _verifier(record: dict[str, Any], rules: list[VerifierRule]) -> VerifierSpec:

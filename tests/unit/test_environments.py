@@ -109,3 +109,39 @@ async def test_the_worker_drives_the_environment_and_the_bridge_replays_it(tmp_p
     for r, s in zip(rollouts, scored):
         want = replay(r.task, [x.text for x in r.turns if x.role == "assistant"])
         assert (s.reward, s.verdict) == (want.reward, want.verdict)
+
+
+def test_a_task_naming_an_unknown_environment_is_refused_at_intake(tmp_path, monkeypatch):
+    """A typo is refused where the task enters (a file's record, an HTTP submission), with the field named,
+    not after its rollouts were sampled."""
+    import asyncio
+    import json
+
+    from unit.test_api_limits import call
+
+    from producers.api import create_app
+    from producers.loaders import load_tasks
+
+    def record(tid, env):
+        return {"task_id": tid, "prompt": "Count.", "verifier": {"kind": "environment", "data": {"environment": env}}}
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (record("a", "count_to"), record("b", "count_too"))) + "\n")
+    result = load_tasks(path, "r", "plain", on_error="skip")
+    assert [t.task_id for t in result.tasks] == ["a"]
+    [error] = result.errors
+    assert error.field == "verifier.data.environment" and "unknown environment 'count_too'" in error.reason
+
+    monkeypatch.delenv("CONVEYOR_API_TOKENS", raising=False)
+    from conveyor.transport.memory import MemoryBroker, MemoryTransport
+
+    app = create_app(MemoryTransport(MemoryBroker()))
+
+    async def go():
+        await call(app, "POST", "/v1/runs", json={"run_id": "r"})
+        ok = await call(app, "POST", "/v1/runs/r/tasks", json={"tasks": [record("a", "count_to")]})
+        bad = await call(app, "POST", "/v1/runs/r/tasks", json={"tasks": [record("b", "count_too")]})
+        assert ok.status_code == 202 and bad.status_code == 422
+        assert "unknown environment 'count_too'" in json.dumps(bad.json())
+
+    asyncio.run(go())
