@@ -332,6 +332,28 @@ def process_tracker_failures() -> Counter | None:
     )
 
 
+class _Passthrough:
+    """Series an engine library registers on prometheus_client's default registry (vLLM's ``vllm:*``:
+    prefix-cache queries and hits, KV-cache usage, running and waiting requests, speculative
+    acceptance), served on the process's own port with its other series."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def collect(self):
+        from prometheus_client import REGISTRY
+
+        for metric in REGISTRY.collect():
+            if metric.name.startswith(self.prefix):
+                yield metric
+
+
+def serve_library_series(prefix: str) -> bool:
+    """Serve the default registry's series named ``prefix...`` on the process registry (once; False in
+    embedded mode, where nothing is served)."""
+    return bool(_on_process_registry(f"passthrough:{prefix}", lambda r: r.register(_Passthrough(prefix)) or True))
+
+
 def process_registry() -> CollectorRegistry | None:
     """The registry served on the process's metrics port (None in embedded mode)."""
     return _registry

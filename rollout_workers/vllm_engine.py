@@ -43,6 +43,7 @@ from pathlib import Path
 
 import structlog
 
+from conveyor.metrics import serve_library_series
 from rollout_workers.engine import Completion, SamplingRequest, check_weights
 from rollout_workers.tokenizing import Tokenizing
 
@@ -79,6 +80,19 @@ def engine_args(args: dict):
     except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
         raise ConfigError(f"rollout.vllm: vLLM refused its engine arguments: {exc}") from None
     return parsed
+
+
+def prefix_cache_hit_rate() -> float | None:
+    """Prompt tokens served from vLLM's prefix cache over those looked up, since the process started
+    (None before any lookup): a GRPO group's samples share their prompt, so this is near (n-1)/n."""
+    from prometheus_client import REGISTRY
+
+    totals = {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
+    for metric in REGISTRY.collect():
+        if metric.name in totals:  # one series per engine core (and model name)
+            totals[metric.name] += sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    queries = totals["vllm:prefix_cache_queries"]
+    return totals["vllm:prefix_cache_hits"] / queries if queries else None
 
 
 class VLLMEngine(Tokenizing):
@@ -140,6 +154,7 @@ class VLLMEngine(Tokenizing):
         # engines starting) goes on. AsyncLLM starts its output handler on the first request then.
         args = engine_args(self.engine_args)
         self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        serve_library_series("vllm:")  # vLLM's own series (prefix-cache hits, KV usage, queue) on the worker's port
         log.info("vllm.started", model=str(self.model_dir), speculative=bool(self.engine_args["speculative_config"]))
 
     async def generate(self, request: SamplingRequest) -> list[Completion]:

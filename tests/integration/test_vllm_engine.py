@@ -266,3 +266,31 @@ async def test_draft_model_speculative_decoding_keeps_greedy_output(engines):
     plain = ReferenceEngine(engines["path"]).generate(prompts, 1, max_new_tokens=30, greedy=True)
     fast = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=1, max_tokens=30, greedy=True)) for p in prompts))
     assert [g[0].token_ids for g in fast] == [g[0].token_ids for g in plain]
+
+
+async def test_prefix_cache_hits_are_served_with_the_workers_metrics(served):
+    """A group's samples share their prompt: vLLM's prefix cache serves it, and vLLM's own series
+    (vllm:prefix_cache_hits_total, ...) come out of the worker's metrics port with its other series."""
+    from prometheus_client import generate_latest
+
+    import conveyor.metrics as metrics
+    from rollout_workers.engine import SamplingRequest
+    from rollout_workers.vllm_engine import prefix_cache_hit_rate
+
+    engine, _, tokenizer = served
+    registry = metrics.make_registry()
+    saved = metrics._registry, dict(metrics._made)
+    metrics._registry, metrics._made = registry, {}
+    try:
+        assert metrics.serve_library_series("vllm:")
+        prompt = _long_prompt(tokenizer, 96)
+        for _ in range(2):  # the second group finds the first one's prompt blocks
+            await engine.generate(SamplingRequest(prompt, n=4, max_tokens=4, temperature=1.0))
+        await asyncio.sleep(1.5)  # vLLM records its iteration stats from its output loop
+        text = generate_latest(registry).decode()
+    finally:
+        metrics._registry, metrics._made = saved
+    rate = prefix_cache_hit_rate()
+    print(f"FIGURE vllm_prefix_cache_hit_rate {rate:.2f} fraction")
+    assert "vllm:prefix_cache_hits_total" in text and "vllm:prefix_cache_queries_total" in text
+    assert rate is not None and rate > 0.3
