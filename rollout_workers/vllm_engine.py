@@ -82,17 +82,16 @@ def engine_args(args: dict):
     return parsed
 
 
-def prefix_cache_hit_rate() -> float | None:
-    """Prompt tokens served from vLLM's prefix cache over those looked up, since the process started
-    (None before any lookup): a GRPO group's samples share their prompt, so this is near (n-1)/n."""
+def prefix_cache_counts() -> tuple[float, float]:
+    """(prompt tokens served from vLLM's prefix cache, prompt tokens looked up) since the process started,
+    over its engines. A GRPO group's samples share their prompt; only full KV blocks are cached."""
     from prometheus_client import REGISTRY
 
     totals = {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
     for metric in REGISTRY.collect():
         if metric.name in totals:  # one series per engine core (and model name)
             totals[metric.name] += sum(s.value for s in metric.samples if s.name.endswith("_total"))
-    queries = totals["vllm:prefix_cache_queries"]
-    return totals["vllm:prefix_cache_hits"] / queries if queries else None
+    return totals["vllm:prefix_cache_hits"], totals["vllm:prefix_cache_queries"]
 
 
 class VLLMEngine(Tokenizing):

@@ -105,12 +105,11 @@ class LakeReader:
             return actions.get(name, [None] * n)
 
         out = []
-        for i, path, rows, size, vlo, vhi, rlo, rhi, slo, shi, dlo, dhi in zip(
-            range(n), actions["path"], actions["num_records"], actions["size_bytes"],
+        for path, rows, size, vlo, vhi, rlo, rhi, slo, shi, dlo, dhi in zip(
+            actions["path"], actions["num_records"], actions["size_bytes"],
             col("min.policy_version_min"), col("max.policy_version_min"), col("min.reward"), col("max.reward"),
             col("min.scored_at"), col("max.scored_at"), col("min.verdict"), col("max.verdict"), strict=True,
         ):  # fmt: skip
-            del i
             if not (_overlaps(flt.policy_version_min, flt.policy_version_max, vlo, vhi)
                     and _overlaps(flt.reward_min, flt.reward_max, rlo, rhi)
                     and _overlaps(flt.scored_after, flt.scored_before, slo, shi)

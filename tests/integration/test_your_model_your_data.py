@@ -25,7 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-RL_SECONDS = 150  # of training: counted from the learner's first step, not from the roles' start
+RL_SECONDS = 100  # of training: counted from the learner's first step, not from the roles' start
 STARTUP_LIMIT_S = 300  # the roles' start (vLLM's the longest) up to the learner's first step
 MARGIN = 0.10  # a learner that does not learn gains 0.00
 SFT_STEPS = 500  # of 64 demonstrations each
