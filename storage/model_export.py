@@ -53,6 +53,10 @@ def store_model_files(store: ObjectStore, run_id: str, model_dir: Path) -> list[
     return written
 
 
+STAGES = 4
+"""What ``export_model`` reports: model files, weights fetched, loaded in the dtype asked, written."""
+
+
 def export_model(
     store: ObjectStore,
     run_id: str,
@@ -61,11 +65,14 @@ def export_model(
     version: int | None = None,
     base: Path | None = None,
     dtype: str = "auto",
+    on_stage=None,
 ) -> dict:
     """Write version ``version`` (default: the newest) of ``run_id``'s policy to ``out``.
 
     ``dtype`` ``auto`` keeps the config's ``torch_dtype`` (the dtype the model was trained from).
-    Returns what was written: version, dtype, files."""
+    ``on_stage(1, status=...)`` after each of the :data:`STAGES` (the CLI's progress: a large model's
+    weights take minutes to fetch and write). Returns what was written: version, dtype, files."""
+    on_stage = on_stage or (lambda *_, **__: None)
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
     versions = published_versions(store, run_id)
@@ -93,13 +100,17 @@ def export_model(
             raise ExportError(
                 f"run {run_id!r} stored no tokenizer (runs/{run_id}/model/): pass the model it started from as base"
             )
-        (staged / "model.safetensors").write_bytes(store.get(keys.weights_key(run_id, version)))
+        on_stage(1, status=f"config and tokenizer of {run_id}")
+        store.get_file(keys.weights_key(run_id, version), staged / "model.safetensors")
+        on_stage(1, status=f"weights v{version} fetched")
         model = AutoModelForCausalLM.from_pretrained(staged, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+        on_stage(1, status=f"loaded as {str(model.dtype).removeprefix('torch.')}")
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
         for name in MODEL_FILES:
             if name not in ("config.json", "generation_config.json") and (staged / name).is_file():
                 shutil.copyfile(staged / name, out / name)
+        on_stage(1, status=f"written to {out}")
     return {
         "run_id": run_id,
         "version": version,

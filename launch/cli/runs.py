@@ -77,12 +77,13 @@ def export_model(
 ) -> None:
     """A published policy version as a model directory that transformers and vLLM load."""
     from launch.cli import models
-    from storage.model_export import ExportError
+    from storage.model_export import STAGES, ExportError
     from storage.model_export import export_model as export
 
     base = models.resolved(base_model) if base_model else None
     try:
-        written = export(open_store(config, store), run, out, version=version, base=base, dtype=dtype)
+        with progress("export-model", STAGES, unit="stages") as advance:
+            written = export(open_store(config, store), run, out, version=version, base=base, dtype=dtype, on_stage=advance)
     except ExportError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

@@ -8,7 +8,7 @@ import torch
 
 from conveyor import keys
 from conveyor.objectstore import LocalObjectStore
-from storage.model_export import ExportError, export_model, store_model_files
+from storage.model_export import STAGES, ExportError, export_model, store_model_files
 from tests.chat_models import create_tiny_qwen2_chat
 from tests.cli import invoke
 
@@ -49,8 +49,10 @@ def test_the_newest_version_exports_with_the_stored_model_files(trained, tmp_pat
 
     base, store, model = trained
     assert "tokenizer.json" in store_model_files(store, "r1", base)
-    written = export_model(store, "r1", tmp_path / "out")  # no base: the run's own files
+    stages = []
+    written = export_model(store, "r1", tmp_path / "out", on_stage=lambda n, status: stages.append(status))  # the run's own files
     assert written["version"] == 2 and "model.safetensors" in written["files"]
+    assert len(stages) == STAGES and stages[1] == "weights v2 fetched"  # what the CLI's progress bar shows
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True, tokenize=False)
