@@ -38,7 +38,7 @@ def configure_logging(
     ]
     # Libraries log through the standard library (aiokafka, botocore, celery, uvicorn): their lines
     # go through the same renderer, so a JSON log stream stays JSON lines, with the logger's name.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_STDERR)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
@@ -58,10 +58,28 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_STDERR),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
+
+
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured: a progress
+    bar (rich) swaps it for a proxy that prints lines above the bar, so log lines and the bar do not
+    interleave; so does a test's capture."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
+_STDERR = _CurrentStderr()
 
 
 def _with_trace(_logger, _name, event_dict):

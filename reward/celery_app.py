@@ -159,6 +159,9 @@ def make_app(cfg: RunConfig) -> Celery:
         result_backend_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
+        # stderr stays the process's: the service's log lines are written to whatever sys.stderr is
+        # (conveyor/logging.py), and Celery's logging proxy there would drop them as recursion.
+        worker_redirect_stdouts=False,
         worker_send_task_events=False,
         task_store_errors_even_if_ignored=True,
     )

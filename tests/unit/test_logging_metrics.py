@@ -118,3 +118,24 @@ def test_a_line_logged_under_a_traced_span_carries_its_ids(capsys):
     assert inside["trace_id"] == format(span.get_span_context().trace_id, "032x") and "trace_id" not in outside
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
+
+
+def test_log_lines_during_a_progress_bar_go_above_it(capsys):
+    """A CLI's progress bar (rich) owns the terminal while it runs: log lines written meanwhile go through
+    it (printed above the bar), not around it onto the same lines."""
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from launch.cli.progress import progress
+
+    configure_logging("cli", fmt="json", level="info")
+    screen = io.StringIO()
+    with progress("work", 2, console=Console(file=screen, force_terminal=True, width=120)) as advance:
+        structlog.get_logger("x").info("while_the_bar_runs")
+        logging.getLogger("lib").warning("a library's line")
+        advance(1)
+    assert "while_the_bar_runs" in screen.getvalue() and "a library's line" in screen.getvalue()
+    assert "while_the_bar_runs" not in capsys.readouterr().err
+    structlog.reset_defaults()
