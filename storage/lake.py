@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -91,6 +92,18 @@ class LakeReader:
         """The table version read (None: the run has no table)."""
         dt = self._open()
         return dt.version() if dt is not None else None
+
+    @contextmanager
+    def leased(self, ttl_s: float = 24 * 3600) -> Iterator[None]:
+        """While this reader's version is read (a replay, an export, an offline recipe's pass), vacuum
+        keeps that version's files; the lease ends with the block, or after ``ttl_s`` if the reader dies."""
+        version = self.version
+        lease = self.table.lease(version, ttl_s) if version is not None else None
+        try:
+            yield
+        finally:
+            if lease is not None:
+                self.store.delete(lease)
 
     def files(self, flt: LakeFilter | None = None) -> list[DataFileEntry]:
         """The table's files that may hold rows ``flt`` admits (by their min/max statistics), in read order."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -115,19 +114,8 @@ def replay(
         raise typer.BadParameter("give exactly one of --to-topic or --export")
     flt = LakeFilter(version_min, version_max, reward_min, reward_max, frozenset(verdict) if verdict else None, since, until)
     reader = LakeReader(open_store(config, store), run, version=table_version, as_of=as_of)
-    with leased(reader):
+    with reader.leased():
         _replay(reader, flt, run, to_topic, rate, export, out, config)
-
-
-@contextmanager
-def leased(reader):
-    """While a replay or export reads a table version, vacuum keeps that version's files."""
-    lease = reader.table.lease(reader.version, ttl_s=24 * 3600) if reader.version is not None else None
-    try:
-        yield
-    finally:
-        if lease is not None:
-            reader.store.delete(lease)
 
 
 def _replay(reader, flt, run, to_topic, rate, export, out, config) -> None:
@@ -187,7 +175,7 @@ def vacuum(
     store: Path = STORE,
 ) -> None:
     """Delete data files no recent table version needs: files compaction replaced, and files a killed
-    sink wrote but never committed. Versions leased by a replay or export in progress are kept."""
+    sink wrote but never committed. Versions leased by a replay, export or offline recipe in progress are kept."""
     from storage.table import RolloutTable
 
     table = RolloutTable(open_store(config, store), run)

@@ -93,9 +93,9 @@ def rft(
     from storage.lake import LakeFilter, LakeReader
 
     m, tok = _load(model)
-    rows = list(
-        samples_from_tables(LakeReader(open_store(config, store), run).iter_tables(LakeFilter(verdicts=frozenset({"pass"}))))
-    )
+    reader = LakeReader(open_store(config, store), run)
+    with reader.leased():  # vacuum keeps the version read
+        rows = list(samples_from_tables(reader.iter_tables(LakeFilter(verdicts=frozenset({"pass"})))))
     steps = epochs * -(-len(passing_examples(rows)) // batch_size)
     try:
         with progress("rft", steps, unit="steps") as advance:
@@ -126,8 +126,9 @@ def dpo(
     from storage.lake import LakeReader
 
     m, tok = _load(model)
-    samples = samples_from_tables(LakeReader(open_store(config, store), run).iter_tables())
-    pairs = dpo_pairs(samples, max_pairs_per_group=pairs_per_group)
+    reader = LakeReader(open_store(config, store), run)
+    with reader.leased():  # vacuum keeps the version read
+        pairs = dpo_pairs(samples_from_tables(reader.iter_tables()), max_pairs_per_group=pairs_per_group)
     try:
         with progress("dpo", epochs * -(-len(pairs) // batch_size), unit="steps") as advance:
             stats = train_dpo(m, pairs, tok.pad_token_id, epochs=epochs, batch_size=batch_size, lr=lr, beta=beta, on_step=advance)
