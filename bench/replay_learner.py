@@ -45,6 +45,7 @@ async def replay_into_batcher(reader, config) -> tuple[float, list]:
         while (batch := batcher.ready(version=10**9)) is not None:
             batches.append(batch)
     elapsed = time.perf_counter() - t0
+    await src.close()
     return sum(len(g) for b in batches for g in b) / elapsed, batches
 
 

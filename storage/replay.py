@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -92,6 +93,8 @@ class ReplaySource:
     """The lake as a subscriber: ``poll`` yields deliveries in the replay's order."""
 
     def __init__(self, reader: LakeReader, flt: LakeFilter | None = None, *, start: int = 0) -> None:
+        self._lease = contextlib.ExitStack()  # vacuum keeps the version replayed until close()
+        self._lease.enter_context(reader.leased())
         self.topic = f"replay:{reader.run_id}"
         self._rows: Iterator[ScoredRollout] = itertools.islice(reader.iter(flt), start, None)
         self._next = start
@@ -123,4 +126,4 @@ class ReplaySource:
                 self.committed = max(self.committed, off)
 
     async def close(self) -> None:
-        pass
+        self._lease.close()
