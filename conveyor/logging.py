@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-from typing import Literal
+from typing import Literal, TextIO, cast
 
 import structlog
 from structlog.typing import Processor
@@ -58,7 +58,7 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=_STDERR),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _STDERR)),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()

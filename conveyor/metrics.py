@@ -112,6 +112,8 @@ class RewardMetrics:
     scoring_seconds: Histogram
     sandbox_seconds: Histogram
     in_flight: Gauge
+    judge_verdicts: Counter
+    judge_seconds: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> RewardMetrics:
@@ -138,6 +140,14 @@ class RewardMetrics:
                 "conveyor_reward_in_flight_rollouts", "Rollouts taken and not yet published scored (the executors' queue)",
                 registry=registry,
             ),
+            judge_verdicts=Counter(
+                "conveyor_reward_judge_verdicts", "LLM-judge verdicts by source: cache, endpoint, or failed (no score)",
+                ["source"], registry=registry,
+            ),
+            judge_seconds=Histogram(
+                "conveyor_reward_judge_request_seconds", "One LLM-judge request, retries included (not its wait for a slot)",
+                buckets=SECONDS_BUCKETS, registry=registry,
+            ),
         )  # fmt: skip
 
     def observe(self, kind: str, verdict: str, seconds: float, details: dict[str, float]) -> None:
@@ -145,6 +155,13 @@ class RewardMetrics:
         self.scoring_seconds.labels(kind).observe(seconds)
         if "duration_s" in details:
             self.sandbox_seconds.labels(kind).observe(details["duration_s"])
+        # An LLM judge's figures travel in the verdict's details: its Celery pool process serves no metrics.
+        if "judge_failed" in details:
+            self.judge_verdicts.labels("failed").inc()
+        elif "judge_cached" in details:
+            self.judge_verdicts.labels("cache" if details["judge_cached"] else "endpoint").inc()
+        if "judge_seconds" in details:
+            self.judge_seconds.observe(details["judge_seconds"])
 
 
 @dataclass
@@ -351,7 +368,12 @@ class _Passthrough:
 def serve_library_series(prefix: str) -> bool:
     """Serve the default registry's series named ``prefix...`` on the process registry (once; False in
     embedded mode, where nothing is served)."""
-    return bool(_on_process_registry(f"passthrough:{prefix}", lambda r: r.register(_Passthrough(prefix)) or True))
+
+    def register(registry: CollectorRegistry) -> bool:
+        registry.register(_Passthrough(prefix))
+        return True
+
+    return bool(_on_process_registry(f"passthrough:{prefix}", register))
 
 
 def process_registry() -> CollectorRegistry | None:

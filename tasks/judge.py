@@ -28,12 +28,14 @@ sandbox's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -139,18 +141,20 @@ def judge_verdicts(items: Sequence[tuple[Task, str]]) -> list[Verdict]:
                 if hit is not None:
                     _cache.move_to_end(key)
                     stats["cache_hits"] += 1
-                    out[i] = verdict_of(hit[0], hit[1], cfg, name)
+                    out[i] = _with(verdict_of(hit[0], hit[1], cfg, name), judge_cached=1.0)
                 else:
                     asks.append((i, name, cfg, key))
     if asks:
         answers = _Loop.run(_ask_all([(key, name, cfg, items[i][0], items[i][1]) for i, name, cfg, key in asks]))
-        for (i, name, cfg, key), (answer, error) in zip(asks, answers):
+        for (i, name, cfg, key), (answer, error, seconds) in zip(asks, answers):
             if error is not None:
                 stats["errors"] += 1
-                out[i] = Verdict(0.0, "error", Feedback(message=f"judge {name}: {error}"))
+                out[i] = Verdict(
+                    0.0, "error", Feedback(message=f"judge {name}: {error}"), {"judge_failed": 1.0, "judge_seconds": seconds}
+                )
                 continue
             score = parse_score(answer)
-            out[i] = verdict_of(score, answer, cfg, name)
+            out[i] = _with(verdict_of(score, answer, cfg, name), judge_cached=0.0, judge_seconds=seconds)
             if out[i].verdict != "error" and cfg.cache_size:
                 with _lock:
                     _cache[key] = (score, answer, name)  # type: ignore[assignment]
@@ -159,9 +163,15 @@ def judge_verdicts(items: Sequence[tuple[Task, str]]) -> list[Verdict]:
     return out
 
 
-async def _ask_all(asks: list[tuple[str, str, JudgeConfig, Task, str]]) -> list[tuple[str, str | None]]:
-    """(answer text, None) or ("", the reason it has none), per (cache key, judge, ...) ask;
-    identical asks share one request."""
+def _with(v: Verdict, **details: float) -> Verdict:
+    """``v`` with the judge's own figures in its details: the reward bridge counts them in Prometheus
+    (a Celery pool process serves no metrics of its own), and the lake keeps them per rollout."""
+    return dataclasses.replace(v, details={**v.details, **details})
+
+
+async def _ask_all(asks: list[tuple[str, str, JudgeConfig, Task, str]]) -> list[tuple[str, str | None, float]]:
+    """(answer text, None, seconds) or ("", the reason it has none, seconds), per (cache key, judge, ...)
+    ask; identical asks share one request."""
     firsts: dict[str, asyncio.Task] = {}
     waits = []
     for key, name, cfg, task, completion in asks:
@@ -171,12 +181,15 @@ async def _ask_all(asks: list[tuple[str, str, JudgeConfig, Task, str]]) -> list[
     return list(await asyncio.gather(*waits))
 
 
-async def _ask(name: str, cfg: JudgeConfig, task: Task, completion: str) -> tuple[str, str | None]:
+async def _ask(name: str, cfg: JudgeConfig, task: Task, completion: str) -> tuple[str, str | None, float]:
+    """The judge's answer, or why there is none, and the seconds the request took (retries included,
+    not the wait for a ``max_concurrency`` slot)."""
     import openai
 
     client, gate = _Loop.client(name, cfg)
     async with gate:
         stats["requests"] += 1
+        started = time.monotonic()
         try:
             resp = await client.chat.completions.create(
                 model=cfg.model,
@@ -186,12 +199,13 @@ async def _ask(name: str, cfg: JudgeConfig, task: Task, completion: str) -> tupl
                 extra_body=cfg.extra_body or None,
             )
         except openai.APIStatusError as exc:
-            return "", f"the endpoint answered {exc.status_code}: {str(exc)[:300]}"
+            return "", f"the endpoint answered {exc.status_code}: {str(exc)[:300]}", time.monotonic() - started
         except openai.APIError as exc:  # connection refused, timeout, after the client's retries
-            return "", f"unreachable ({type(exc).__name__}: {str(exc)[:300]})"
+            return "", f"unreachable ({type(exc).__name__}: {str(exc)[:300]})", time.monotonic() - started
+    seconds = time.monotonic() - started
     choice = resp.choices[0] if resp.choices else None
     text = choice.message.content if choice is not None else None
-    return (text, None) if text else ("", "empty answer")
+    return (text, None, seconds) if text else ("", "empty answer", seconds)
 
 
 class _Loop:

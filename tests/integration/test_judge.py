@@ -70,6 +70,22 @@ def test_every_sample_gets_the_servers_score_and_a_repeat_is_a_cache_hit(server)
     again = score_batch(None, items)
     assert [(v.reward, v.verdict) for v in again] == [(v.reward, v.verdict) for v in first]
     assert judge.stats["requests"] - before["requests"] == 6 and judge.stats["cache_hits"] - before["cache_hits"] == 6
+    # The judge's figures ride in the details, and the reward bridge's metrics count them (a Celery pool
+    # process, where the judge runs, serves no metrics of its own).
+    from prometheus_client import generate_latest
+
+    from conveyor.metrics import RewardMetrics, make_registry
+
+    assert all(v.details["judge_cached"] == 0.0 and v.details["judge_seconds"] > 0 for v in first)
+    assert all(v.details["judge_cached"] == 1.0 and "judge_seconds" not in v.details for v in again)
+    registry = make_registry()
+    metrics = RewardMetrics.create(registry)
+    for v in first + again:
+        metrics.observe("judge", v.verdict, 0.1, v.details)
+    assert registry.get_sample_value("conveyor_reward_judge_verdicts_total", {"source": "endpoint"}) == 6
+    assert registry.get_sample_value("conveyor_reward_judge_verdicts_total", {"source": "cache"}) == 6
+    assert registry.get_sample_value("conveyor_reward_judge_request_seconds_count") == 6
+    assert "conveyor_reward_judge_request_seconds_bucket" in generate_latest(registry).decode()
 
 
 def test_garbage_and_an_unreachable_judge_are_errors_not_zeros(server):
@@ -77,6 +93,7 @@ def test_garbage_and_an_unreachable_judge_are_errors_not_zeros(server):
     garbage, away = score_batch(None, [(task(1, "free"), "2"), (task(2, "away"), "4")])
     assert garbage.verdict == "error" and "answered no score" in garbage.feedback.message
     assert away.verdict == "error" and "unreachable" in away.feedback.message
+    assert away.details["judge_failed"] == 1.0  # counted as a failed judge verdict by the bridge's metrics
 
 
 def test_judge_tasks_go_to_a_celery_worker_in_one_batch(server, redis_url, tmp_path):
