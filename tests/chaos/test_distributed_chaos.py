@@ -214,11 +214,15 @@ def test_distributed_run_survives_kills_and_an_s3_outage(stack, kafka_cfg, s3_cf
     print(f"FIGURE chaos_kills {sum(kills.values())} count")
     print(f"FIGURE chaos_lost {lost} count")
     print(f"FIGURE chaos_double_trained {double} count")
+    from integration.test_lake import foreign_count
+
+    read_rows, distinct = foreign_count(store, run_id)  # the table as Polars reads it: no dedupe of Conveyor's
+    print(f"FIGURE chaos_lake_foreign_duplicates {read_rows - distinct} rows ({read_rows} read)")
     assert sum(kills.values()) >= 20 and all(kills[r] >= 2 for r in ROLES), kills
     assert outage_done and kills_in_outage > 0, (outage_done, kills_in_outage)
     assert len(tasks) == TASKS
     assert lost == 0, (not_rolled[:3], sorted(not_scored)[:3], sorted(not_in_lake)[:3])
-    assert len(lake) == len(set(lake))
+    assert len(lake) == len(set(lake)) and (read_rows, distinct) == (len(lake), len(lake))
     assert double == 0 and len(ledger) > 0
     assert set(ledger) <= scored
     assert dead_lettered >= set(injected or []), dead_lettered
