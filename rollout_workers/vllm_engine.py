@@ -64,9 +64,10 @@ class _InFlight:
 
 
 def engine_args(args: dict):
-    """vLLM's ``AsyncEngineArgs`` for ``args``, checked by vLLM's own config classes (the types and bounds
-    of every argument, the model's config against them) before any process starts: a refused argument
-    is a ``ConfigError`` that names it, not a traceback from the engine's core."""
+    """vLLM's ``AsyncEngineArgs`` for ``args`` and the engine config vLLM's own classes build from them
+    (the types and bounds of every argument, the model's config against them), before any process
+    starts: a refused argument is a ``ConfigError`` that names it, not a traceback from the engine's
+    core. The engine starts from that config (it is not built twice)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from conveyor.errors import ConfigError
@@ -76,10 +77,10 @@ def engine_args(args: dict):
     except TypeError as exc:  # an argument this vLLM does not have
         raise ConfigError(f"rollout.vllm.extra: {exc}".replace("AsyncEngineArgs.__init__() got ", "")) from None
     try:
-        parsed.create_engine_config()
+        config = parsed.create_engine_config()
     except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
         raise ConfigError(f"rollout.vllm: vLLM refused its engine arguments: {exc}") from None
-    return parsed
+    return parsed, config
 
 
 def prefix_cache_counts() -> tuple[float, float]:
@@ -148,11 +149,17 @@ class VLLMEngine(Tokenizing):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._swap_lock = asyncio.Lock()
+
         # Off the event loop: building the engine (its core process's start, the model's load and
         # warm-up) takes tens of seconds, during which the loop's other work (heartbeats, other
         # engines starting) goes on. AsyncLLM starts its output handler on the first request then.
-        args = engine_args(self.engine_args)
-        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        def build():
+            args, config = engine_args(self.engine_args)
+            return AsyncLLM.from_vllm_config(
+                config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
+            )
+
+        self.llm = await asyncio.to_thread(build)
         serve_library_series("vllm:")  # vLLM's own series (prefix-cache hits, KV usage, queue) on the worker's port
         log.info("vllm.started", model=str(self.model_dir), speculative=bool(self.engine_args["speculative_config"]))
 

@@ -202,7 +202,7 @@ def migrate_parts(store: ObjectStore, run_id: str, *, rows_per_file: int = 20_00
 
     table = RolloutTable(store, run_id)
     dt = table.ensure()
-    if migrated(store, run_id):
+    if _has_migration(dt):
         return 0
     if pa.table(dt.get_add_actions()).num_rows:
         raise ValueError(f"run {run_id!r}: its rollouts table already holds rows stored without the older parts; "
@@ -225,7 +225,11 @@ def migrated(store: ObjectStore, run_id: str) -> bool:
     from storage.table import RolloutTable
 
     table = RolloutTable(store, run_id)
-    return table.exists() and any(c.get("conveyor.operation") == "migrate" for c in table.open().history())
+    return table.exists() and _has_migration(table.open())
+
+
+def _has_migration(dt) -> bool:
+    return any(c.get("conveyor.operation") == "migrate" for c in dt.history())
 
 
 def delete_parts(store: ObjectStore, run_id: str) -> int:

@@ -37,7 +37,7 @@ def test_the_sections_arguments_and_extra_reach_vllm(model):
 
     e = engine(model, tensor_parallel_size=1, enable_prefix_caching=False, max_num_batched_tokens=256,
                extra={"max_logprobs": 7, "disable_log_stats": True})  # fmt: skip
-    args = engine_args(e.engine_args)
+    args, _ = engine_args(e.engine_args)
     assert (args.enable_prefix_caching, args.max_num_batched_tokens, args.max_logprobs) == (False, 256, 7)
     assert args.logprobs_mode == "processed_logprobs"  # the worker's own, not the user's to change
 
