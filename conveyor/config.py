@@ -220,6 +220,9 @@ class LearnerConfig(_Section):
     takes packed sequences through its varlen kernel: memory linear in the pack, but a group's prompt is
     laid down once per sample (learner/packing.py). Checked at start. Not eager: it adds a pack's boolean
     mask to the scores instead of applying it (its packed log-probs came out wrong)."""
+    context_parallel: int = Field(1, ge=1)
+    """Ranks each packed sequence is split across (ring attention, learner/context_parallel.py): packs
+    of pack_tokens tokens with 1/context_parallel of their activations per rank. Must divide the ranks."""
     micro_batch: int = Field(0, ge=0)
     """Sequences per forward/backward; gradients accumulate over the step's batch (0: all at once)."""
     updates_per_batch: int = Field(1, ge=1)
@@ -240,6 +243,11 @@ class LearnerConfig(_Section):
                 f"max_lag ({self.max_lag}) must be at least publish_every - 1 ({self.publish_every - 1}): samples of the "
                 "newest published weights would be dropped as stale"
             )
+        if self.context_parallel > 1 and self.pack_tokens == 0:
+            raise ValueError("learner.context_parallel > 1 splits packs: it needs pack_tokens > 0")
+        if self.context_parallel > 1 and self.attn_implementation != "sdpa":
+            raise ValueError(f"learner.context_parallel > 1 runs its own ring attention kernel in place of sdpa; "
+                             f"attn_implementation {self.attn_implementation} cannot be split")  # fmt: skip
         return self
 
 

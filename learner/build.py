@@ -26,6 +26,8 @@ def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
     policy = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=cfg.learner.attn_implementation
     )
+    if cfg.learner.context_parallel > 1:
+        use_ring_attention(policy)
     if torch.cuda.is_available():
         policy = policy.cuda()
     if cfg.learner.activation_checkpointing:
@@ -35,6 +37,27 @@ def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
 
         policy = shard(policy, mixed_precision=torch.cuda.is_available())
     return policy, tok
+
+
+def use_ring_attention(model) -> None:
+    """Switch ``model`` to ring attention (``learner/ring_attention.py``) for context parallelism, or
+    refuse at start, naming the field, a model whose attention it would not compute exactly."""
+    from conveyor.errors import ConfigError
+    from learner.ring_attention import register
+
+    config = model.config
+    why = None
+    if not getattr(model, "_supports_attention_backend", False):
+        why = f"{type(model).__name__} does not route its attention through transformers' attention interface"
+    elif getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        why = "its layers use sliding-window attention"
+    elif getattr(config, "attn_logit_softcapping", None):
+        why = "it soft-caps attention logits"
+    elif getattr(config, "attention_dropout", 0.0):
+        why = "it has attention dropout"
+    if why:
+        raise ConfigError(f"learner.context_parallel: ring attention cannot split this model: {why}")
+    model.set_attn_implementation(register())
 
 
 def check_attn_implementation(name: str) -> None:

@@ -29,25 +29,45 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from conveyor.errors import ConfigError
+from learner.context_parallel import ContextGroup
+
 # Followers wait on the command group for the next batch: as long as rollouts take to come.
 COMMAND_TIMEOUT = timedelta(days=7)
 
 
 class RankGroup:
-    """This process's place in a multi-rank learner, with the command channel from rank 0."""
+    """This process's place in a multi-rank learner, with the command channel from rank 0, and in
+    the device mesh of data-parallel groups × context-parallel ranks (``context``: this rank's
+    context-parallel group; of one rank without context parallelism)."""
 
-    def __init__(self, rank: int, world: int, commands) -> None:
+    def __init__(self, rank: int, world: int, commands, context: ContextGroup | None = None) -> None:
         self.rank, self.world, self.commands = rank, world, commands
+        self.context = context or ContextGroup(None, 1, 0)
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_parallel(self) -> int:
+        """The number of data-parallel groups: the ways a batch is divided."""
+        return self.world // self.context.size
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel group (its ranks take the same share of a batch)."""
+        return self.rank // self.context.size
+
     @classmethod
-    def from_env(cls) -> RankGroup | None:
+    def from_env(cls, context_parallel: int = 1) -> RankGroup | None:
         """Join the process group torchrun describes (``WORLD_SIZE`` > 1), or None for one process.
-        NCCL on GPUs (each rank on ``cuda:LOCAL_RANK``), gloo on CPU."""
+        NCCL on GPUs (each rank on ``cuda:LOCAL_RANK``), gloo on CPU. ``context_parallel``: ranks
+        per context-parallel group (``learner.context_parallel``), which must divide the ranks."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world % context_parallel:
+            raise ConfigError(f"learner.context_parallel: {context_parallel} must divide the learner's ranks, {world} "
+                              "(torchrun --nproc-per-node)")  # fmt: skip
         if world <= 1:
             return None
         cuda = torch.cuda.is_available()
@@ -56,7 +76,15 @@ class RankGroup:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo")
         commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-        return cls(dist.get_rank(), dist.get_world_size(), commands)
+        context = None
+        if context_parallel > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cuda" if cuda else "cpu", (world // context_parallel, context_parallel),
+                                    mesh_dim_names=("dp", "cp"))  # fmt: skip
+            group = mesh.get_group("cp")
+            context = ContextGroup(group, context_parallel, dist.get_rank(group))
+        return cls(dist.get_rank(), dist.get_world_size(), commands, context)
 
     def command(self, op: str | None = None, payload=None) -> tuple[str, object]:
         """Rank 0 sends ``(op, payload)``; every rank returns it (the others block until it comes)."""

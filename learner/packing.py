@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from learner.context_parallel import ContextGroup, run_share
 from learner.grpo import check_prompts
 
 
@@ -164,7 +165,9 @@ def token_logprobs(
         ents.append(ent)
     if entropy is not None and ents:
         entropy.append(torch.cat(ents))
-    return torch.cat(out) if out else hidden.new_zeros(0)
+    # no rows: an empty result still on the graph (a context-parallel rank holding none of a pack's
+    # rows takes part in the gathers' backward like the others)
+    return torch.cat(out) if out else hidden[:0, 0]
 
 
 class LogprobHead(torch.nn.Module):
@@ -180,9 +183,11 @@ class LogprobHead(torch.nn.Module):
         return self.model.config
 
     def forward(self, input_ids, position_ids, attention_mask, rows, targets, chunk_tokens: int, entropy: list | None = None,
-                row_scale=None, entropy_grad: bool = False):  # fmt: skip
+                row_scale=None, entropy_grad: bool = False, ring=None):  # fmt: skip
         trunk = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        hidden = trunk(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).last_hidden_state[0]
+        extra = {} if ring is None else {"ring": ring}  # a context-parallel share: the pack's ring layout
+        hidden = trunk(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **extra)
+        hidden = hidden.last_hidden_state[0]
         picked = hidden[rows]
         if row_scale is not None:  # 1/T per row: (h/T) W^T = logits / T, the sampling temperature
             picked = picked * row_scale[:, None].to(picked.dtype)
@@ -200,13 +205,19 @@ def packed_completion_logprobs(
     temperatures: list[float] | None = None,
     token_entropies: list | None = None,
     share_prompts: bool | None = None,
+    context: ContextGroup | None = None,
+    stats: dict | None = None,
 ) -> list[torch.Tensor]:
     """The same values as ``learner.grpo.completion_logprobs``, without padding and without
     full-vocabulary logits for all tokens at once. ``temperatures[i]``: sequence i's sampling
     temperature (None: 1). With ``entropy`` (a list), the mean policy entropy over completion
     tokens is appended to it; with ``token_entropies`` (a list), each sequence's per-token
     entropies (with gradient), one tensor per sequence in input order. ``share_prompts``: lay a
-    shared prompt down once (None: whenever the attention kernel allows, :func:`shares_prompts`)."""
+    shared prompt down once (None: whenever the attention kernel allows, :func:`shares_prompts`).
+    ``context``: this rank's context-parallel group (``learner/context_parallel.py``), whose ranks
+    call this together on the same sequences, each running its share of every pack; with
+    ``stats`` (a dict), the padding tokens that made the packs split evenly are added to its
+    ``cp_pad_tokens``."""
     check_prompts(prompts, completions)
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
@@ -218,7 +229,8 @@ def packed_completion_logprobs(
     result: list[torch.Tensor | None] = [None] * len(prompts)
     seq_ents: list[torch.Tensor | None] = [None] * len(prompts)
     for pack in pack_sequences(prompts, completions, pack_tokens, share_prompts=share):
-        mask = None if flash else pack.attention_mask()  # flash-attn: sequences from the position ids
+        # flash-attn: sequences from the position ids; ring attention: masks computed tile by tile
+        mask = None if flash or context is not None else pack.attention_mask()
         # Completion token 0 is predicted from the prompt's last position, token j from token j-1.
         rows, targets, scales = [], [], []
         for i, ps, plen, cs, k in pack.spans:
@@ -232,8 +244,14 @@ def packed_completion_logprobs(
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         scale = to(torch.cat(scales)) if temperatures and any(t != 1.0 for t in temperatures) else None
         before = len(ents)
-        lp = runner(to(pack.input_ids), to(pack.position_ids), None if mask is None else to(mask), to(torch.cat(rows)),
-                    to(torch.cat(targets)), chunk_tokens, ents, scale, token_entropies is not None)  # fmt: skip
+        if context is not None:
+            lp, padding = run_share(runner, pack, torch.cat(rows), torch.cat(targets), scale, context, chunk_tokens, ents,
+                                    token_entropies is not None, device)  # fmt: skip
+            if stats is not None:
+                stats["cp_pad_tokens"] = stats.get("cp_pad_tokens", 0) + padding
+        else:
+            lp = runner(to(pack.input_ids), to(pack.position_ids), None if mask is None else to(mask), to(torch.cat(rows)),
+                        to(torch.cat(targets)), chunk_tokens, ents, scale, token_entropies is not None)  # fmt: skip
         pack_ents = ents[before] if len(ents) > before else lp.new_zeros(0)  # none if the pack has no completion token
         offset = 0
         for i, _, _, _, k in pack.spans:

@@ -223,6 +223,7 @@ def learner(
     checkpoints, every rank trains its share of each batch."""
     import torch
 
+    from conveyor.errors import ConfigError
     from learner import build
     from learner.distributed import RankGroup
     from learner.trainer import Trainer
@@ -232,8 +233,12 @@ def learner(
     model_dir = models.resolved(model)
     if threads:
         torch.set_num_threads(threads)
-    ranks = RankGroup.from_env()  # None unless started by torchrun with more than one process
-    policy, tok = build.load_policy(model_dir, cfg, ranks)
+    try:  # a field that does not fit the ranks, the model or this machine: refused at start, named
+        ranks = RankGroup.from_env(cfg.learner.context_parallel)  # None unless torchrun started several processes
+        policy, tok = build.load_policy(model_dir, cfg, ranks)
+    except ConfigError as exc:
+        typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
 
