@@ -2,7 +2,8 @@
 real broker trains like one process on the same batches: the same loss and
 gradient norm every step, the same published weights within tolerance, the
 same rollouts in its ledger; its checkpoint (gathered from both ranks) loads
-into a single-process model."""
+into a single-process model. The two ranks as one context-parallel group
+(``learner.context_parallel: 2``, every pack split between them) train the same."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def publish(kafka_cfg, run_id: str, rows) -> None:
     asyncio.run(go())
 
 
-def train(tmp_path, kafka_cfg, model_dir, name: str, nproc: int) -> tuple[str, list[dict]]:
+def train(tmp_path, kafka_cfg, model_dir, name: str, nproc: int, context_parallel: int = 1) -> tuple[str, list[dict]]:
     run_id = f"ranks-{name}-{uuid.uuid4().hex[:6]}"
     # Lengths vary so the two ranks get different pack counts (empty passes are exercised).
     rows = [r for g in range(GROUPS) for r in scored_group(run_id, g, GROUP_SIZE, length=3 + (g * 7) % 23)]
@@ -56,7 +57,7 @@ def train(tmp_path, kafka_cfg, model_dir, name: str, nproc: int) -> tuple[str, l
         "transport": kafka_cfg.model_dump(),
         "object_store": {"type": "local", "root": str(tmp_path / "objects")},
         "learner": {"batch_groups": BATCH_GROUPS, "max_lag": 100000, "checkpoint_every": 2, "lr": 1e-3,
-                    "objective": "decoupled", "pack_tokens": 64},
+                    "objective": "decoupled", "pack_tokens": 64, "context_parallel": context_parallel},
         "logging": {"level": "info", "format": "json"},
     }  # fmt: skip
     config = tmp_path / f"{name}.yaml"
@@ -111,12 +112,17 @@ def test_two_ranks_train_like_one(stack, kafka_cfg, tmp_path):
     create_tiny_llama(tmp_path / "model", ALPHABET, seed=0)
     one_id, one = train(tmp_path, kafka_cfg, tmp_path / "model", "one", 1)
     two_id, two = train(tmp_path, kafka_cfg, tmp_path / "model", "two", 2)
+    # The same two ranks as one context-parallel group: every pack split between them (ring attention).
+    cp_id, cp = train(tmp_path, kafka_cfg, tmp_path / "model", "cp", 2, context_parallel=2)
+    for other in (two, cp):
+        for a, b in zip(one[:STEPS], other[:STEPS]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (a, b)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
+            assert b["tokens"] == a["tokens"] and b["trained_samples"] == a["trained_samples"]
     for a, b in zip(one[:STEPS], two[:STEPS]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (a, b)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
-        assert b["tokens"] == a["tokens"] and b["trained_samples"] == a["trained_samples"]
         assert b["importance_mean"] == pytest.approx(a["importance_mean"], rel=1e-4)
     assert any(r["micro_batches"] > 1 for r in two[:STEPS])
+    assert all("cp_pad_tokens" in r for r in cp[:STEPS])
 
     store = LocalObjectStore(tmp_path / "objects")
     one_state, two_state = load_latest(store, one_id), load_latest(store, two_id)
@@ -132,6 +138,9 @@ def test_two_ranks_train_like_one(stack, kafka_cfg, tmp_path):
     assert w1.keys() == w2.keys() and "lm_head.weight" not in w2  # tied head stored once, as HF does
     worst = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
     assert worst < 1e-4, worst
+    w_cp = weights(cp_id, STEPS)  # published in the same format
+    assert w_cp.keys() == w1.keys() and max(float((w1[k] - w_cp[k]).abs().max()) for k in w1) < 1e-4
+    assert load_latest(store, cp_id)["step"] >= STEPS
 
     # The two-rank checkpoint (gathered from both ranks' shards) loads into one process.
     model, _ = create_tiny_llama(tmp_path / "fresh", ALPHABET, seed=1)
