@@ -17,7 +17,8 @@ this card with a large bf16 matmul (not the datasheet).
     python bench/learner_gpu.py --smoke           # a tiny shape on CPU: checks the script runs
 
 Ends with ``FIGURE learner_mfu <v> fraction``, ``FIGURE learner_tokens_per_s <v> tokens/s``
-and ``FIGURE learner_peak_gib <v> GiB``.
+and ``FIGURE learner_peak_gib <v> GiB``; with 2 or more GPUs, the context-parallel case
+(``bench/context_parallel.py`` at 32k tokens: peak memory per GPU with the pack split over them).
 """
 
 from __future__ import annotations
@@ -133,6 +134,21 @@ def main() -> None:
         print(f"FIGURE learner_peak_gib {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     else:
         print("FIGURE learner_mfu pending fraction  (CPU smoke run: no GPU figure)")
+    context_parallel_case(torch.cuda.device_count() if device.type == "cuda" else 0)
+
+
+def context_parallel_case(gpus: int) -> None:
+    """With several GPUs: peak memory per GPU for 32k-token packs of the same shape split over up
+    to 4 of them (bench/context_parallel.py under torchrun, NCCL, ring attention)."""
+    import subprocess
+
+    if gpus < 2:
+        print("FIGURE cp_gpu_memory_per_rank_ratio pending  (context parallelism needs 2 or more GPUs)")
+        return
+    ranks = [str(n) for n in (1, 2, 4) if n <= gpus]
+    script = Path(__file__).with_name("context_parallel.py")
+    subprocess.run([sys.executable, str(script), "--tokens", "32768", "--ranks", *ranks, "--hidden", "896", "--layers", "24",
+                    "--heads", "14", "--intermediate", "4864"], check=True)  # fmt: skip
 
 
 if __name__ == "__main__":

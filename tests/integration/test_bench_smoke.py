@@ -15,6 +15,7 @@ def test_learner_gpu_bench_smoke():
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FIGURE learner_tokens_per_s" in res.stdout
+    assert "FIGURE cp_gpu_memory_per_rank_ratio pending" in res.stdout  # its context-parallel case: no GPUs here
 
 
 def test_packed_prompts_bench_smoke():
@@ -40,3 +41,11 @@ def test_reward_rate_bench_smoke():
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
     assert "FIGURE reward_callable_rate" in res.stdout and "FIGURE reward_batching_speedup" in res.stdout
+
+
+def test_context_parallel_bench_smoke():
+    """The memory bench runs a pack whole and split over two gloo ranks and prints its table."""
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "context_parallel.py"), "--tokens", "2048", "--ranks", "1", "2"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
+    assert "| 2048 |" in res.stdout
