@@ -29,7 +29,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from conveyor.contracts import Feedback, Task, ToolCall, Turn
-from rollout_workers.engine import Completion, SamplingRequest
+from rollout_workers.engine import Completion, SamplingRequest, cut_at_stop_strings
 
 
 @dataclass
@@ -77,12 +77,14 @@ def feedback_text(verdict: str, fb: Feedback | None) -> str:
     return "\n# " + "; ".join(parts) + "\n# try again\n"
 
 
-async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: SamplingRequest, *,
-                       max_context_tokens: int, episode_id: str, sandbox=None) -> list[tuple[Completion, Episode]]:  # fmt: skip
+async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: SamplingRequest, *, max_context_tokens: int,
+                       episode_id: str, sandbox=None, stop_texts: tuple[str, ...] = ()) -> list[tuple[Completion, Episode]]:  # fmt: skip
     """The group's episodes; each result pairs the spliced completion with its episode record.
     With a ``sandbox`` and a ``terminal`` task, turns are tool calls in a persistent workspace
     (tasks/terminal_tools.py); an ``environment`` task's turns step its environment
-    (tasks/environments.py); otherwise each attempt is judged and its feedback fed back."""
+    (tasks/environments.py); otherwise each attempt is judged and its feedback fed back.
+    ``stop_texts``: stop strings of several tokens (``engine.stop_rules``), which end every
+    attempt, as they end a single-turn completion (one-token ones are in ``first``'s stop ids)."""
     tool_mode = sandbox is not None and task.verifier.kind == "terminal"
     sessions = None
     if tool_mode:
@@ -100,15 +102,18 @@ async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: Sam
                 f"environment {task.verifier.data.get('environment')!r}: {type(exc).__name__}: {exc}"[:500]
             ) from None
     try:
-        return await _episodes(engine, scorer, task, prompt, first, max_context_tokens, episode_id, sessions)
+        return await _episodes(engine, scorer, task, prompt, first, max_context_tokens, episode_id, sessions, stop_texts)
     finally:
         for s in sessions or ():
             s.close()
 
 
-async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, episode_id, sessions):
+async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, episode_id, sessions, stop_texts=()):
+    def cut(completions: list[Completion]) -> list[Completion]:
+        return [cut_at_stop_strings(c, stop_texts, engine.decode) for c in completions] if stop_texts else completions
+
     episodes = [Episode() for _ in range(first.n)]
-    completions = await engine.generate(first)
+    completions = cut(await engine.generate(first))
     first_version = completions[0].policy_version if completions else engine.version
     active = list(range(first.n))
     attempts = {i: c for i, c in zip(active, completions)}
@@ -144,7 +149,7 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
                                             request_id=f"{first.request_id}/{i}/t{turn + 1}"))
             for i in still
         ))  # fmt: skip
-        attempts = {i: out[0] for i, out in zip(still, nexts)}
+        attempts = {i: cut(out)[0] for i, out in zip(still, nexts)}
         active = still
     return [(e.as_completion(first_version), e) for e in episodes]
 

@@ -111,6 +111,33 @@ async def test_the_worker_drives_the_environment_and_the_bridge_replays_it(tmp_p
         assert (s.reward, s.verdict) == (want.reward, want.verdict)
 
 
+async def test_stop_strings_of_several_tokens_end_every_turn(tmp_path):
+    """A task's stop strings end each attempt of an episode, as they end a single-turn completion:
+    no assistant turn runs on past the first stop string in it."""
+    from conveyor.contracts import SamplingParams
+    from learner.models import create_tiny_llama
+    from rollout_workers.reference_engine import ReferenceEngine
+    from tasks.suites.pyexpr import ALPHABET
+    from tests.unit.test_rollout_worker import _pipeline
+
+    create_tiny_llama(tmp_path / "m", ALPHABET, seed=3, hidden_size=32, layers=2, heads=2, intermediate_size=64,
+                      max_positions=256)  # fmt: skip
+    stops = [a + b for a in "0123456789" for b in "0123456789"]  # two tokens each: cut in the text
+    t = task()
+    kw = {"prompt": t.prompt, "max_turns": 4, "verifier": t.verifier,
+          "sampling": SamplingParams(max_tokens=24, stop=stops)}  # fmt: skip
+    worker, rollouts, committed, error = await _pipeline(tmp_path, ReferenceEngine(tmp_path / "m", seed=0), n_tasks=2,
+                                                         task_kw=kw)  # fmt: skip
+    assert error is None and rollouts
+    cut = 0
+    for r in rollouts:
+        for turn in (x for x in r.turns if x.role == "assistant"):
+            ends = [turn.text.find(s) + len(s) for s in stops if s in turn.text]
+            assert not ends or min(ends) == len(turn.text), turn.text
+            cut += bool(ends)
+    assert cut, "no attempt met a stop string"
+
+
 def test_a_task_naming_an_unknown_environment_is_refused_at_intake(tmp_path, monkeypatch):
     """A typo is refused where the task enters (a file's record, an HTTP submission), with the field named,
     not after its rollouts were sampled."""
