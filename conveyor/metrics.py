@@ -203,6 +203,7 @@ LEARNER_GAUGES = {
     "logprob_mismatch_mean": "Mean |learner - engine| log-prob of the sampled tokens, at the version they were sampled with",
     "logprob_mismatch_max": "Largest |learner - engine| log-prob of a sampled token",
     "lr": "Learning rate",
+    "cp_pad_tokens": "Padding tokens that made the step's packs split evenly over a context-parallel group",
 }
 """The learner's per-step scalars, exported as ``conveyor_learner_<name>`` gauges (the step's value)."""
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
