@@ -79,7 +79,7 @@ class RingLayout:
 def _mask(layout: RingLayout, qr: int, kr: int, qa: int, ka: int) -> torch.Tensor | None:
     """Where rank ``qr``'s query tile at ``qa`` may attend rank ``kr``'s key tile at ``ka`` (None: nowhere)."""
     tile = layout.tile
-    q_lo, q_hi = layout.bounds[qr][qa // tile]
+    _, q_hi = layout.bounds[qr][qa // tile]
     k_lo, _ = layout.bounds[kr][ka // tile]
     if k_lo > q_hi:  # the whole key tile comes after every query: causal, nothing to see
         return None
