@@ -41,11 +41,3 @@ def test_reward_rate_bench_smoke():
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
     assert "FIGURE reward_callable_rate" in res.stdout and "FIGURE reward_batching_speedup" in res.stdout
-
-
-def test_context_parallel_bench_smoke():
-    """The memory bench runs a pack whole and split over two gloo ranks and prints its table."""
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "context_parallel.py"), "--tokens", "2048", "--ranks", "1", "2"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
-    assert "| 2048 |" in res.stdout

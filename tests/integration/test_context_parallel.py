@@ -1,6 +1,5 @@
 """Context parallelism under torchrun (gloo, CPU): one training step on packs of several documents
-(prompts shared by their samples), split across 2 and 4 ranks with ring attention, and across
-2 data-parallel groups of 2, gives the loss, statistics, per-token log-probabilities and gradients
+(prompts shared by their samples), split across 2 and 4 ranks with ring attention, gives the loss, statistics, per-token log-probabilities and gradients
 of one process running every pack whole (SDPA with the pack's mask), within rel 1e-4 in fp32."""
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def rel_diff(a, b) -> float:
 def test_split_packs_match_one_process(tmp_path):
     one = run(1, 1, tmp_path / "one.json")
     worst = 0.0
-    for nproc, cp in ((2, 2), (4, 4), (4, 2)):
+    for nproc, cp in ((2, 2), (4, 4)):
         got = run(nproc, cp, tmp_path / f"{nproc}x{cp}.json")
         diffs = {
             "loss": rel_diff([one["loss"]], [got["loss"]]),
@@ -55,4 +54,4 @@ def test_split_packs_match_one_process(tmp_path):
             assert got["stats"][key] == one["stats"][key], (nproc, cp, key)
         assert got["stats"]["cp_pad_tokens"] >= 0 and got["stats"]["micro_batches"] >= 1
         worst = max(worst, *diffs.values())
-    print(f"FIGURE cp_equal_max_rel_diff {worst:.2e} (2 and 4 context-parallel ranks, and 2x2, vs one process)")
+    print(f"FIGURE cp_equal_max_rel_diff {worst:.2e} (2 and 4 context-parallel ranks vs one process)")

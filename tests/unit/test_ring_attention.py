@@ -129,3 +129,33 @@ def test_a_sliding_window_model_is_refused():
                          num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=0)  # fmt: skip
     with pytest.raises(ConfigError, match="learner.context_parallel: .*sliding-window"):
         use_ring_attention(Qwen2ForCausalLM(config))
+
+
+def test_the_ranks_of_a_context_parallel_group_take_the_same_share():
+    """2 data-parallel groups × 2 context-parallel ranks: ranks 0 and 1 run one half of the batch's
+    packs, ranks 2 and 3 the other, in as many passes."""
+    from conveyor.config import LearnerConfig
+    from learner.distributed import RankGroup
+    from learner.trainer import Trainer
+
+    model = torch.nn.Linear(2, 2)
+    config = LearnerConfig(pack_tokens=16, context_parallel=2)
+    prompts = [[1, 2, 3]] * 4 + [[4, 5]] * 4 + [[6] * 9] * 2
+    completions = [[7] * n for n in (3, 5, 2, 6, 4, 4, 1, 8, 3, 3)]
+    passes = []
+    for rank in range(4):
+        ranks = RankGroup(rank, 4, None, ContextGroup(None, 2, rank % 2))
+        assert (ranks.data_parallel, ranks.data_rank) == (2, rank // 2)
+        passes.append(Trainer(model, 0, config, ranks=ranks).micro_batches(prompts, completions))
+    assert passes[0] == passes[1] and passes[2] == passes[3] and len(passes[0]) == len(passes[2])
+    mine = lambda p: sorted(i for part in p for i in part)  # noqa: E731
+    assert sorted(mine(passes[0]) + mine(passes[2])) == list(range(10))
+
+
+def test_a_trainer_refuses_ranks_started_with_another_group_size():
+    from conveyor.config import LearnerConfig
+    from learner.distributed import RankGroup
+    from learner.trainer import Trainer
+
+    with pytest.raises(ValueError, match="learner.context_parallel: 2"):
+        Trainer(torch.nn.Linear(2, 2), 0, LearnerConfig(context_parallel=2), ranks=RankGroup(0, 2, None))
