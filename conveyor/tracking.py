@@ -101,8 +101,18 @@ class MlflowBackend:
         self.client = MlflowClient(tracking_uri=self.uri)
         found = self.client.get_experiment_by_name(self.experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
-        self.run_id = self.client.create_run(experiment_id, run_name=name, tags={"conveyor.run_id": name}).info.run_id
-        params = [Param(k, v[: self.MAX_PARAM]) for k, v in flat(config).items()]
+        # A learner restarted after a crash logs on into the run its predecessor left RUNNING (which
+        # would otherwise stay RUNNING for good), as it resumes the same training run.
+        quoted = name.replace("'", "\\'")
+        left = self.client.search_runs([experiment_id], f"tags.`conveyor.run_id` = '{quoted}' and attributes.status = 'RUNNING'",
+                                       order_by=["attributes.start_time DESC"], max_results=1)  # fmt: skip
+        if left:
+            self.run_id, logged = left[0].info.run_id, left[0].data.params
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=name, tags={"conveyor.run_id": name}).info.run_id
+            logged = {}
+        # MLflow refuses to change a logged param: a resumed run keeps its first values.
+        params = [Param(k, v[: self.MAX_PARAM]) for k, v in flat(config).items() if k not in logged]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
 

@@ -65,6 +65,29 @@ def test_mlflow_runs_read_back_with_the_client(tmp_path):
     assert run.data.tags["conveyor.model"] == "s3://bucket/runs/exp-1/weights/v3/model.safetensors"
 
 
+def test_a_learner_restarted_after_a_crash_finishes_the_mlflow_run_it_left_running(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = TrackingConfig(type="mlflow", uri=uri, project="crashes")
+    crashed = open_tracker(cfg, tmp_path, "exp-1", CONFIG)
+    for row in ROWS[:2]:
+        crashed.log(row["step"], row)
+    crashed.close()  # its records are in; then the process dies without ending the run:
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("crashes").experiment_id
+    (run,) = client.search_runs([experiment])
+    client.update_run(run.info.run_id, status="RUNNING")  # what a SIGKILL before set_terminated leaves
+    restarted = open_tracker(cfg, tmp_path, "exp-1", {**CONFIG, "learner": {"lr": 0.002, "batch_groups": 8}})
+    for row in ROWS[1:]:  # re-trains the step after its checkpoint
+        restarted.log(row["step"], row)
+    restarted.close()
+    assert restarted.failures == 0
+    (run,) = client.search_runs([experiment])  # one run, not a second beside a RUNNING one
+    assert run.info.status == "FINISHED" and run.data.params["learner.lr"] == "0.001"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 2, 3]
+
+
 def wandb_records(path):
     """The records of a W&B run file: a LevelDB-style log of protobuf ``Record`` messages (wandb's
     own Python reader is gone from the package; its writer is the Go core)."""
