@@ -54,7 +54,8 @@ class Environment(Protocol):
     def step(self, action: str) -> Step: ...
 
 
-_factories: dict[str, Callable[[], Environment] | str] = {}
+# Built in, registered as users' are (imported when first used): tasks/cad.py.
+_factories: dict[str, Callable[[], Environment] | str] = {"cad": "tasks.cad:CadEnvironment"}
 _entry_points_read = False
 
 
