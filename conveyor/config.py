@@ -86,7 +86,7 @@ class ProducerConfig(_Section):
     """Where tasks come from: a built-in suite and/or the HTTP API."""
 
     suite: str | None = "pyexpr"
-    """Built-in suite to stream (pyexpr, python_functions, terminal, math_numeric, tool_calls); None: HTTP only."""
+    """Built-in suite to stream (pyexpr, python_functions, terminal, math_numeric, tool_calls, cad); None: HTTP only."""
     group_size: int = Field(8, ge=1, le=1024)
     max_tasks: int | None = Field(None, ge=1)
     """Stop the suite stream after this many tasks (None: endless)."""

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from conveyor.contracts import Task
 
-SUITES = ("pyexpr", "python_functions", "terminal", "math_numeric", "tool_calls")
+SUITES = ("pyexpr", "python_functions", "terminal", "math_numeric", "tool_calls", "cad")
 
 
 def suite_stream(name: str, run_id: str, group_size: int, *, seed: int = 0, max_tasks: int | None = None) -> Iterator[Task]:

@@ -15,8 +15,9 @@ from conftest import open_sandbox
 
 from conveyor.contracts import Task
 
-SUITES = {"python_functions": 40, "terminal": 20, "math_numeric": 30, "tool_calls": 20}
-KINDS = {"python_functions": "python_tests", "terminal": "terminal", "math_numeric": "math", "tool_calls": "tool_call"}
+SUITES = {"python_functions": 40, "terminal": 20, "math_numeric": 30, "tool_calls": 20, "cad": 15}
+KINDS = {"python_functions": "python_tests", "terminal": "terminal", "math_numeric": "math", "tool_calls": "tool_call",
+         "cad": "environment"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
