@@ -109,3 +109,27 @@ def test_a_task_without_a_target_scores_error():
     bad = msgspec.structs.replace(bad, verifier=msgspec.structs.replace(bad.verifier, data={"environment": "cad"}))
     verdict = environments.replay(bad, turns(PLATE))
     assert verdict.verdict == "error" and "target needs volume" in verdict.feedback.message
+
+
+async def test_the_worker_drives_a_cad_episode_and_the_bridge_replays_it(tmp_path):
+    """A tiny random model cannot write a tool call: every turn is refused with the reason, as a
+    tool turn, and the replayed episode scores 0 (no part), through the worker and the bridge."""
+    from learner.models import create_tiny_llama
+    from reward.bridge import RewardBridge
+    from reward.scorers import LocalScorer
+    from rollout_workers.reference_engine import ReferenceEngine
+    from tasks.suites.pyexpr import ALPHABET
+    from tests.unit.test_rollout_worker import _pipeline
+
+    create_tiny_llama(tmp_path / "m", ALPHABET, seed=3, hidden_size=32, layers=2, heads=2, intermediate_size=64,
+                      max_positions=512)  # fmt: skip
+    engine = ReferenceEngine(tmp_path / "m", seed=0)
+    t = plate_task()
+    kw = {"prompt": "Build it.", "max_turns": 3, "verifier": t.verifier, "tools": cad.TOOLS, "sampling": None}
+    worker, rollouts, committed, error = await _pipeline(tmp_path, engine, n_tasks=1, task_kw=kw)
+    assert error is None and rollouts
+    for r in rollouts:
+        assert [x.role for x in r.turns] == ["assistant", "tool"] * 2 + ["assistant"]
+        assert all(x.text.startswith("refused: not a JSON tool call") for x in r.turns if x.role == "tool")
+    scored = await RewardBridge(None, None, LocalScorer(None), engine.decode).score(rollouts)
+    assert all((s.reward, s.verdict) == (0.0, "fail") for s in scored)
