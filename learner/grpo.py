@@ -225,7 +225,7 @@ def clipped_pg_loss(
     for k, (new, old, adv, mask) in enumerate(zip(new_logprobs, behaviour_logprobs, advantages, loss_masks)):
         if cfg.objective == "behaviour":
             ratio = torch.exp(new - old)
-            ratios.append(ratio.detach())
+            ratios.append(ratio.detach()[mask > 0])
             unclipped = ratio.clamp(max=cfg.max_importance_weight) * adv
             clip = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
             tok_obj = torch.minimum(unclipped, clip)
@@ -233,13 +233,13 @@ def clipped_pg_loss(
             prox = proximal_logprobs[k]  # type: ignore[index]
             ratio = torch.exp(new - prox)
             behaviour_weight = torch.exp(prox - old).clamp(max=cfg.max_importance_weight)
-            ratios.append(torch.exp(prox - old).detach())
+            ratios.append(torch.exp(prox - old).detach()[mask > 0])
             unclipped = ratio * adv
             clip = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
             tok_obj = behaviour_weight * torch.minimum(unclipped, clip)
         elif cfg.objective == "on_policy":
             ratio = torch.exp(new - new.detach())
-            ratios.append(torch.exp(new - old).detach())  # reported, not used
+            ratios.append(torch.exp(new - old).detach()[mask > 0])  # reported, not used
             unclipped = clip = ratio * adv
             tok_obj = unclipped
         else:
@@ -262,7 +262,12 @@ def clipped_pg_loss(
     else:
         per = torch.stack([s.sum() / max(int(m.sum()), 1) for s, m in zip(per_seq, loss_masks)])
         loss = per.sum() / max(denominator or len(per_seq), 1)
-    all_ratios = torch.cat(ratios) if ratios else torch.zeros(1)
+    # Over trained tokens only: an observation token (loss mask 0) carries behaviour log-prob 0, so
+    # its "ratio" is the policy's probability of it, not an importance weight. A part without
+    # trained tokens reports 1 (it has no weight where parts are merged).
+    all_ratios = torch.cat(ratios) if ratios else torch.ones(0)
+    if not all_ratios.numel():
+        all_ratios = torch.ones(1)
     stats = {
         "importance_mean": float(all_ratios.mean()),
         "importance_max": float(all_ratios.max()),

@@ -44,12 +44,11 @@ def test_split_packs_match_one_process(tmp_path):
             "loss": rel_diff([one["loss"]], [got["loss"]]),
             "logprobs": max(rel_diff(a, b) for a, b in zip(one["logprobs"], got["logprobs"])),
             "grads": max(rel_diff(one["grads"][k], got["grads"][k]) for k in one["grads"]),
+            "importance_mean": rel_diff([one["stats"]["importance_mean"]], [got["stats"]["importance_mean"]]),
             "mismatch": rel_diff([one["stats"]["logprob_mismatch_mean"]], [got["stats"]["logprob_mismatch_mean"]]),
         }
         assert max(diffs.values()) <= 1e-4, (nproc, cp, diffs)
         assert one["grads"].keys() == got["grads"].keys()
-        # (importance_mean is not compared: a part's mean counts its masked tokens while parts are
-        # weighted by trained tokens, so it moves with how a batch divides into packs, CP or not)
         for key in ("tokens", "clip_fraction", "logprob_mismatch_tokens"):
             assert got["stats"][key] == one["stats"][key], (nproc, cp, key)
         assert got["stats"]["cp_pad_tokens"] >= 0 and got["stats"]["micro_batches"] >= 1

@@ -231,3 +231,16 @@ def test_an_empty_prompt_before_completion_tokens_is_refused_on_every_path(tmp_p
                 run()
         out = grpo.completion_logprobs(model, [[5, 6, 7], []], [[8], []], tok.pad_token_id)
         assert [len(t) for t in out] == [1, 0]
+
+
+def test_importance_statistics_count_trained_tokens_only():
+    """An observation token (loss mask 0, behaviour log-prob 0) is no importance weight: the
+    statistics leave it out, so they do not move with how a batch divides into micro-batches."""
+    new = [torch.tensor([-1.0, -3.0, -1.0]), torch.tensor([-2.0])]
+    old = [torch.tensor([-1.5, 0.0, -1.0]), torch.tensor([-2.0])]
+    masks = [torch.tensor([1.0, 0.0, 1.0]), torch.zeros(1)]
+    _, stats = clipped_pg_loss(new, old, [1.0, 1.0], masks, LossConfig())
+    e = float(torch.exp(torch.tensor(0.5)))
+    assert stats["importance_mean"] == pytest.approx((e + 1.0) / 2) and stats["importance_max"] == pytest.approx(e)
+    _, alone = clipped_pg_loss(new[1:], old[1:], [1.0], masks[1:], LossConfig())  # no trained token
+    assert alone["importance_mean"] == 1.0 and alone["tokens"] == 0
