@@ -23,7 +23,8 @@ service replays an episode to score it (``tasks/environments.py``). A task::
     {"verifier": {"kind": "environment", "data": {"environment": "cad",
      "target": {"volume": 3874.8, "bbox": [40, 20, 5], "holes": 2}}}, "tools": cad.TOOLS, "max_turns": 8}
 
-:func:`task` builds one from a reference part's calls, :func:`suite` gives a few.
+:func:`task` builds one from a reference part's calls; the ``cad`` suite (``tasks/suites/cad.py``) has
+nineteen.
 """
 
 from __future__ import annotations
@@ -231,35 +232,9 @@ def task(task_id: str, run_id: str, description: str, reference: list[dict], *, 
                 verifier=VerifierSpec(kind="environment", data={"environment": "cad", "target": target}))  # fmt: skip
 
 
-def _plate(w: float, h: float, t: float, holes: list[tuple[float, float, float]]) -> list[dict]:
+def plate_calls(w: float, h: float, t: float, holes: list[tuple[float, float, float]]) -> list[dict]:
+    """The calls that make a w x h x t plate with round holes ``(x, y, radius)`` cut through it."""
     calls = [{"name": "new_sketch", "arguments": {"name": "s"}},
              {"name": "add_rect", "arguments": {"sketch": "s", "width": w, "height": h}}]  # fmt: skip
     calls += [{"name": "add_circle", "arguments": {"sketch": "s", "radius": r, "x": x, "y": y, "cut": True}} for x, y, r in holes]
     return calls + [{"name": "extrude", "arguments": {"sketch": "s", "height": t, "name": "part"}}]
-
-
-def parts() -> list[tuple[str, str, list[dict]]]:
-    """``(name, description, reference calls)`` of a few parts: plates with holes, an L-bracket made
-    by a union, a washer."""
-    bracket = [*_plate(40, 20, 4, []),
-               {"name": "new_sketch", "arguments": {"name": "w"}},
-               {"name": "add_rect", "arguments": {"sketch": "w", "width": 4, "height": 20, "x": -18}},
-               {"name": "extrude", "arguments": {"sketch": "w", "height": 20, "name": "wall"}},
-               {"name": "boolean", "arguments": {"op": "union", "a": "part", "b": "wall", "name": "bracket"}}]  # fmt: skip
-    washer = [{"name": "new_sketch", "arguments": {"name": "s"}},
-              {"name": "add_circle", "arguments": {"sketch": "s", "radius": 10}},
-              {"name": "add_circle", "arguments": {"sketch": "s", "radius": 4, "cut": True}},
-              {"name": "extrude", "arguments": {"sketch": "s", "height": 2, "name": "washer"}}]  # fmt: skip
-    parts = [
-        ("plate-2-holes", "a 40 x 20 x 5 plate with two holes of radius 2 at x = -10 and x = 10", _plate(40, 20, 5, [(-10, 0, 2), (10, 0, 2)])),
-        ("plate-4-holes", "a 30 x 30 x 3 plate with a hole of radius 3 near each corner, 10 from the centre along both axes",
-         _plate(30, 30, 3, [(sx * 10, sy * 10, 3) for sx in (-1, 1) for sy in (-1, 1)])),
-        ("l-bracket", "an L-bracket: a 40 x 20 x 4 base and a 4 x 20 x 20 wall standing on its left edge", bracket),
-        ("washer", "a washer of outer radius 10, inner radius 4, 2 thick", washer),
-    ]  # fmt: skip
-    return parts
-
-
-def suite(run_id: str) -> list[Task]:
-    """The tasks of :func:`parts`."""
-    return [task(f"cad-{name}", run_id, text, calls) for name, text, calls in parts()]

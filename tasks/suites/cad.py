@@ -52,7 +52,7 @@ def _washer(outer: float, inner: float, t: float) -> list[dict]:
 
 
 def _bracket(w: float, d: float, t: float, h: float) -> list[dict]:
-    return [*cad._plate(w, d, t, []),
+    return [*cad.plate_calls(w, d, t, []),
             {"name": "new_sketch", "arguments": {"name": "w"}},
             {"name": "add_rect", "arguments": {"sketch": "w", "width": t, "height": d, "x": -(w - t) / 2}},
             {"name": "extrude", "arguments": {"sketch": "w", "height": h, "name": "wall"}},
@@ -62,15 +62,15 @@ def _bracket(w: float, d: float, t: float, h: float) -> list[dict]:
 def problems() -> list[Problem]:
     out = []
     for w, d, t in ((20, 10, 2), (30, 20, 3), (40, 20, 5), (50, 30, 4)):
-        out.append(Problem(f"block_{w}x{d}x{t}", 1, f"a solid block {w} x {d} x {t}", tuple(cad._plate(w, d, t, []))))
+        out.append(Problem(f"block_{w}x{d}x{t}", 1, f"a solid block {w} x {d} x {t}", tuple(cad.plate_calls(w, d, t, []))))
         holes = [(-w / 4, 0, d / 8), (w / 4, 0, d / 8)]
         out.append(Problem(f"plate_{w}x{d}x{t}_2holes", 2,
                            f"a {w} x {d} x {t} plate with two holes of radius {d / 8:g} at x = {-w / 4:g} and x = {w / 4:g}",
-                           tuple(cad._plate(w, d, t, holes))))  # fmt: skip
+                           tuple(cad.plate_calls(w, d, t, holes))))  # fmt: skip
         corners = [(sx * w / 3, sy * d / 3, d / 10) for sx in (-1, 1) for sy in (-1, 1)]
         out.append(Problem(f"plate_{w}x{d}x{t}_4holes", 2,
                            f"a {w} x {d} x {t} plate with four holes of radius {d / 10:g} at x = ±{w / 3:g}, y = ±{d / 3:g}",
-                           tuple(cad._plate(w, d, t, corners))))  # fmt: skip
+                           tuple(cad.plate_calls(w, d, t, corners))))  # fmt: skip
         out.append(Problem(f"bracket_{w}x{d}x{t}", 3,
                            f"an L-bracket: a {w} x {d} x {t} base and a {t} x {d} x {w / 2:g} wall standing on its left edge",
                            tuple(_bracket(w, d, t, w / 2))))  # fmt: skip

@@ -10,10 +10,11 @@ import jsonschema
 import pytest
 
 from tasks import cad, environments
+from tasks.suites import cad as suite
 
 pytestmark = pytest.mark.unit
 
-PLATE = cad._plate(40, 20, 5, [(-10, 0, 2), (10, 0, 2)])
+PLATE = cad.plate_calls(40, 20, 5, [(-10, 0, 2), (10, 0, 2)])
 
 
 def turns(calls: list[dict]) -> list[str]:
@@ -24,23 +25,22 @@ def plate_task():
     return cad.task("t", "r", "a plate with two holes", PLATE)
 
 
-@pytest.mark.parametrize("part", cad.parts(), ids=lambda p: p[0])
-def test_each_suite_part_built_by_its_reference_calls_passes(part):
-    name, _, calls = part
-    (task,) = [t for t in cad.suite("r") if t.task_id == f"cad-{name}"]
+@pytest.mark.parametrize("problem", suite.problems(), ids=lambda p: p.id)
+def test_each_suite_part_built_by_its_reference_calls_passes(problem):
+    task = suite.to_task(problem, "r", 4, 0)
     target = task.verifier.data["target"]
     assert set(target) == {"volume", "bbox", "holes"} and target["volume"] > 0
     assert task.tools == cad.TOOLS and task.max_turns > 1 and environments.problem("cad") is None
-    verdict = environments.replay(task, [*turns(calls), "done"])
+    verdict = environments.replay(task, [*turns(list(problem.calls)), "done"])
     assert (verdict.verdict, verdict.reward) == ("pass", 1.0)
 
 
 def test_a_part_short_of_the_target_gets_partial_credit_and_fails():
-    one_hole = cad._plate(40, 20, 5, [(-10, 0, 2)])
+    one_hole = cad.plate_calls(40, 20, 5, [(-10, 0, 2)])
     verdict = environments.replay(plate_task(), turns(one_hole))
     # bbox right, volume within 2% (a hole is 0.3% of it), one hole short
     assert verdict.verdict == "fail" and verdict.reward == pytest.approx(2 / 3)
-    thick = cad._plate(40, 20, 6, [(-10, 0, 2), (10, 0, 2)])
+    thick = cad.plate_calls(40, 20, 6, [(-10, 0, 2), (10, 0, 2)])
     assert environments.replay(plate_task(), turns(thick)).reward == pytest.approx(1 / 3)  # holes right only
     assert environments.replay(plate_task(), ["done"]).reward == 0.0  # no part at all
 
