@@ -105,6 +105,9 @@ class ProducerConfig(_Section):
     max_prompt_chars: int = Field(100_000, ge=1)
     max_messages: int = Field(256, ge=1)
     max_message_chars: int = Field(100_000, ge=1)
+    max_images_per_task: int = Field(16, ge=0)
+    """Most images one submitted task may carry (each PNG, JPEG or WebP within conveyor/images.py's
+    size limits; they are stored in the object store and travel by reference)."""
     max_verifier_data_bytes: int = Field(1 << 20, ge=1024)
     """Largest ``verifier.data`` of one task, msgpack-encoded as it travels on the tasks topic."""
     max_metadata_entries: int = Field(64, ge=0)

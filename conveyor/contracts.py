@@ -38,7 +38,12 @@ from conveyor.packed import float32_array as float32_array
 from conveyor.packed import int32_array as int32_array
 from conveyor.packed import uint8_array as uint8_array
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema this code reads. Version 2 added image parts to chat messages; a message
+carrying none is still written as version 1, so readers of version 1 keep reading text-only
+traffic and dead-letter (rather than misread) what has images."""
+IMAGE_SCHEMA_VERSION = 2
+WRITTEN_SCHEMA_VERSION = 1
 
 
 class DecodeError(ValueError):
@@ -57,7 +62,7 @@ class Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="t"
     holding thousands decodes them 3x slower when it does; docs/BENCHMARKS.md).
     Do not put a message inside its own fields' containers."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = WRITTEN_SCHEMA_VERSION  # raised to IMAGE_SCHEMA_VERSION by a message with images
     created_at: float = msgspec.field(default_factory=time.time)  # unix seconds
 
 
@@ -65,10 +70,65 @@ class Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="t"
 # tasks
 
 
+class TextPart(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
+
+
+class ImagePart(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="type", tag="image"):
+    """An image by reference (the claim-check path): its bytes live in the object store under
+    ``key`` (content-addressed, ``conveyor.keys.image_key``) and are checked against ``sha256``
+    when read. Records stay small whatever the image's size, and the lake stores the reference."""
+
+    key: str
+    sha256: str
+    media_type: Literal["image/png", "image/jpeg", "image/webp"]
+    width: int
+    height: int
+
+    def __post_init__(self) -> None:
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
+            raise ValueError("ImagePart.sha256 must be 64 lowercase hex digits")
+        if self.width < 1 or self.height < 1:
+            raise ValueError("ImagePart width and height must be positive")
+
+
+ContentPart = TextPart | ImagePart
+IMAGE_PLACEHOLDER = "<image>"
+"""How an image shows in text-only views of a chat (judges, logs): the veRL layout's marker."""
+
+
 class ChatMessage(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """One chat turn. ``content`` is text, or a list of parts (text and images) for
+    vision-language tasks; a message with images makes its task schema version 2."""
+
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[ContentPart]
     name: str | None = None  # tool name for role == "tool"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.content, list) and not self.content:
+            raise ValueError("ChatMessage.content is an empty list of parts")
+
+    @property
+    def text(self) -> str:
+        """The text of the message, each image shown as ``<image>``."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text if isinstance(p, TextPart) else IMAGE_PLACEHOLDER for p in self.content)
+
+    @property
+    def images(self) -> list[ImagePart]:
+        if isinstance(self.content, str):
+            return []
+        return [p for p in self.content if isinstance(p, ImagePart)]
+
+
+def task_images(messages: list[ChatMessage] | None) -> list[ImagePart]:
+    """Every image of a chat, in order."""
+    return [img for m in messages or () for img in m.images]
 
 
 class VerifierSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -125,6 +185,12 @@ class Task(Message, frozen=True, kw_only=True, tag="task"):
             raise ValueError(f"Task.group_size must be in [1, {MAX_GROUP_SIZE}]")
         if self.max_turns < 1:
             raise ValueError("Task.max_turns must be >= 1")
+        if self.schema_version < IMAGE_SCHEMA_VERSION and task_images(self.messages):
+            _force_setattr(self, "schema_version", IMAGE_SCHEMA_VERSION)
+
+    @property
+    def images(self) -> list[ImagePart]:
+        return task_images(self.messages)
 
 
 # --------------------------------------------------------------------------
@@ -215,6 +281,8 @@ class Rollout(Message, frozen=True, kw_only=True, tag="rollout"):
     so the learner counts the samples consumed without training on them."""
 
     def __post_init__(self) -> None:
+        if self.task is not None and self.task.schema_version > self.schema_version:
+            _force_setattr(self, "schema_version", self.task.schema_version)
         for name, fmt, size in _ROLLOUT_ARRAYS:
             v = getattr(self, name)
             if type(v) is memoryview:  # the decode path: a 'B' view of the wire bytes
@@ -277,6 +345,8 @@ class ScoredRollout(Message, frozen=True, kw_only=True, tag="scored"):
     completion_text: str | None = None  # the completion as the verifier read it (for the lake and humans)
 
     def __post_init__(self) -> None:
+        if self.rollout.schema_version > self.schema_version:
+            _force_setattr(self, "schema_version", self.rollout.schema_version)
         if not math.isfinite(self.reward) or abs(self.reward) > MAX_ABS_REWARD:
             raise ValueError(f"reward {self.reward!r} is not a finite number within ±{MAX_ABS_REWARD:g}")
 

@@ -31,7 +31,8 @@ def encode_prompt(tokenizer, prompt: str | None, messages=None, tools=None) -> l
     ``BatchEncoding`` in transformers 5 but a list in 4."""
     if not messages:
         return encode(tokenizer, prompt or "")
-    turns = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+    # A text model sees an image as its marker; workers refuse image tasks for text models before this.
+    turns = [m if isinstance(m, dict) else {"role": m.role, "content": m.text} for m in messages]
     turns = [{"role": m["role"], "content": m["content"]} for m in turns]
     specs = [t if t.get("type") == "function" else {"type": "function", "function": t} for t in tools or ()] or None
     if getattr(tokenizer, "chat_template", None):

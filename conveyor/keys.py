@@ -13,6 +13,7 @@
     runs/<run>/lake/_manifest/part-<h>.json                each such part's key, size, sha256 and stats
     runs/<run>/meta/<name>                                 run metadata (config, summary, report)
     <claims prefix>/<sha256[:2]>/<sha256>                  claim-checked message bodies
+    images/<sha256[:2]>/<sha256>.<png|jpg|webp>            task images, by content (conveyor/images.py)
 
 Writers and readers (the learner and the rollout workers, the sink and the lake reader, ``conveyor
 runs``) all call these functions, so a key's shape cannot drift between two of them.
@@ -161,3 +162,17 @@ def meta_key(run_id: str, name: str) -> str:
 def claim_key(prefix: str, sha256: str) -> str:
     """A claim-checked body's key: content-addressed, fanned out by the hash's first byte."""
     return f"{prefix.strip('/')}/{sha256[:2]}/{sha256}"
+
+
+# images
+
+
+IMAGES = "images/"
+
+
+def image_key(sha256: str, media_type: str) -> str:
+    """An image's key: content-addressed and shared by every run, so a dataset's image that many
+    tasks and epochs use is stored once. The extension follows the media type, for readers that
+    go by it."""
+    ext = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp"}[media_type]
+    return f"{IMAGES}{sha256[:2]}/{sha256}.{ext}"

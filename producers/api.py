@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -32,13 +32,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from conveyor.config import ProducerConfig
-from conveyor.contracts import ChatMessage, SamplingParams, Task, VerifierSpec
+from conveyor.contracts import IMAGE_PLACEHOLDER, ChatMessage, ImagePart, SamplingParams, Task, TextPart, VerifierSpec
 from conveyor.messaging import Publisher
 from conveyor.metrics import process_registry
+from conveyor.objectstore import ObjectStore
 from conveyor.topics import Topics, validate_run_id
 from conveyor.tracing import headers_of, tracer
 from conveyor.transport.base import Transport
 from producers.api_guard import Guard
+from producers.api_images import store_images
 from producers.api_limits import (
     MAX_ERRORS,
     MAX_STOP,
@@ -64,10 +66,39 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class TextPartIn(_In):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_In):
+    url: str = Field(max_length=64 << 20)
+    """A ``data:image/<png|jpeg|webp>;base64,...`` URL: images come with the request (the API fetches nothing)."""
+
+
+class ImagePartIn(_In):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class MessageIn(_In):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[Annotated[TextPartIn | ImagePartIn, Field(discriminator="type")]]
+    """Text, or OpenAI's list of parts: ``{"type": "text", "text"}`` and ``{"type": "image_url", "image_url": {"url"}}``."""
     name: str | None = Field(None, max_length=200)
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list of content parts")
+        return v
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text if isinstance(p, TextPartIn) else IMAGE_PLACEHOLDER for p in self.content)
 
 
 class VerifierIn(_In):
@@ -161,12 +192,21 @@ def validated(model: type[In], obj: Any) -> In:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()[:MAX_ERRORS]]) from None
 
 
-def to_task(t: TaskIn, run_id: str, default_group_size: int) -> Task:
+def _message(m: MessageIn, images: Iterator[ImagePart]) -> ChatMessage:
+    if isinstance(m.content, str):
+        return ChatMessage(role=m.role, content=m.content, name=m.name)
+    parts = [TextPart(text=p.text) if isinstance(p, TextPartIn) else next(images) for p in m.content]
+    return ChatMessage(role=m.role, content=parts, name=m.name)
+
+
+def to_task(t: TaskIn, run_id: str, default_group_size: int, images: Sequence[ImagePart] = ()) -> Task:
+    """``images``: the references of the task's image parts, in order (``producers/api_images.py``)."""
+    refs = iter(images)
     return Task(
         task_id=t.task_id or f"api-{uuid.uuid4().hex}",
         run_id=run_id,
         prompt=t.prompt,
-        messages=[ChatMessage(**m.model_dump()) for m in t.messages] if t.messages else None,
+        messages=[_message(m, refs) for m in t.messages] if t.messages else None,
         verifier=VerifierSpec(kind=t.verifier.kind, data=t.verifier.data),
         group_size=t.group_size or default_group_size,
         sampling=SamplingParams(**t.sampling.model_dump()) if t.sampling else None,
@@ -207,13 +247,14 @@ def create_app(
     max_batch: int | None = None,
     tokens: Sequence[str] = (),
     max_tokens: int | None = None,
+    store: ObjectStore | None = None,
 ) -> FastAPI:
     """The API over ``transport``, limited by ``producer`` (a ProducerConfig; its defaults when None).
 
     ``default_group_size`` and ``max_batch`` override the section's ``group_size`` and ``max_batch``;
     ``tokens`` are the bearer tokens (none: no authentication, which :func:`producers.build.build_api`
     allows on loopback only); ``max_tokens`` caps ``sampling.max_tokens`` (default
-    ``producer.max_tokens_limit``)."""
+    ``producer.max_tokens_limit``); ``store`` keeps submitted images (none: tasks with images get a 422)."""
     pc = producer or ProducerConfig(suite=None)
     overrides = {k: v for k, v in (("group_size", default_group_size), ("max_batch", max_batch)) if v is not None}
     pc = pc.model_copy(update=overrides) if overrides else pc
@@ -304,8 +345,9 @@ def create_app(
         errors = [e for i, t in enumerate(body.tasks) for e in task_errors(t, ["body", "tasks", i], pc, max_tokens, roots)]
         if errors:
             raise HTTPException(422, detail=errors[:MAX_ERRORS])
+        images = await store_images(body.tasks, store, pc.max_images_per_task)  # 422 naming each bad image
         await known_run(run_id)
-        tasks = [to_task(t, run_id, pc.group_size) for t in body.tasks]
+        tasks = [to_task(t, run_id, pc.group_size, images[i]) for i, t in enumerate(body.tasks)]
         pub: Publisher[Task] = Publisher(await on_broker("start producer", producer()), Topics(run_id).tasks)
 
         async def publish_all() -> None:

@@ -177,7 +177,7 @@ def task_errors(task: Any, loc: list, pc: ProducerConfig, max_tokens: int, roots
     if task.messages is not None:
         over(["messages"], len(task.messages), pc.max_messages, "message count")
         for i, m in enumerate(task.messages[: pc.max_messages]):
-            over(["messages", i, "content"], len(m.content), pc.max_message_chars, "message length (characters)")
+            over(["messages", i, "content"], len(m.text), pc.max_message_chars, "message length (characters)")
     if task.group_size is not None:
         over(["group_size"], task.group_size, pc.max_group_size, "group_size")
     if task.sampling is not None:

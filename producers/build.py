@@ -82,7 +82,7 @@ def api_tokens(cfg: RunConfig) -> list[str]:
     return tokens
 
 
-def build_api(cfg: RunConfig, transport: Transport):
+def build_api(cfg: RunConfig, transport: Transport, store: ObjectStore | None = None):
     """The producer's HTTP API (a FastAPI app) for this run config; raises ConfigError as
     :func:`api_tokens` does."""
     from producers.api import create_app
@@ -98,4 +98,5 @@ def build_api(cfg: RunConfig, transport: Transport):
         partitions=getattr(cfg.transport, "partitions", 4),
         tokens=tokens,
         max_tokens=min(pc.max_tokens_limit, engine_limit) if engine_limit else pc.max_tokens_limit,
+        store=store,
     )

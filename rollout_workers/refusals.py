@@ -31,6 +31,8 @@ class TaskLimits:
     publishing; the next worker refuses it rather than be the next to die on it."""
     top_p: bool = True
     """Whether the engine samples with nucleus truncation (the reference engine does not)."""
+    vision: bool = False
+    """Whether the engine's model reads images (a vision-language model with its image processor)."""
 
 
 def refusal(task: Task, sampling: SamplingParams, claims: int, limits: TaskLimits) -> str | None:
@@ -47,7 +49,9 @@ def refusal(task: Task, sampling: SamplingParams, claims: int, limits: TaskLimit
         return f"sampling.top_p {sampling.top_p}: this engine samples the whole distribution (top_p must be 1.0)"
     if not 0.0 < sampling.top_p <= 1.0 or not 0.0 <= sampling.temperature <= 100.0:
         return f"sampling out of range: temperature {sampling.temperature}, top_p {sampling.top_p}"
-    chars = len(task.prompt or "") + sum(len(m.content) for m in task.messages or ())
+    if task.images and not limits.vision:
+        return f"task has {len(task.images)} image(s) and this worker's model reads no images (not a vision-language model)"
+    chars = len(task.prompt or "") + sum(len(m.text) for m in task.messages or ())
     if chars > limits.max_prompt_chars:
         return f"prompt of {chars} characters is above this run's limit {limits.max_prompt_chars}"
     return None

@@ -126,6 +126,7 @@ class RolloutWorker:
             max_context_tokens=self.max_context_tokens,
             max_claims=max_task_claims,
             top_p=getattr(self.engine, "supports_top_p", True),
+            vision=getattr(self.engine, "reads_images", False),
         )
         self.tasks_refused = 0
         self.drain_timeout_s = drain_timeout_s  # a stop waits this long for the tasks in flight

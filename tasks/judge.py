@@ -71,7 +71,7 @@ def messages_for(task: Task, completion: str, cfg: JudgeConfig) -> list[dict[str
     """The chat the judge is sent."""
     data = task.verifier.data
     if task.messages:
-        convo = "\n".join(f"[{m.role}] {m.content}" for m in task.messages)
+        convo = "\n".join(f"[{m.role}] {m.text}" for m in task.messages)
     else:
         convo = task.prompt or ""
     parts = [f"# Rubric\n{data['rubric']}", f"# Conversation\n{convo}"]
@@ -113,8 +113,9 @@ def verdict_of(score: float | None, answer: str, cfg: JudgeConfig, name: str) ->
 
 def _key(name: str, cfg: JudgeConfig, task: Task, completion: str) -> str:
     data = task.verifier.data
-    prompt = [[m.role, m.content] for m in task.messages] if task.messages else task.prompt
-    blob = json.dumps([name, cfg.url, cfg.model, data.get("rubric"), data.get("reference"), prompt, completion])
+    prompt = [[m.role, m.text] for m in task.messages] if task.messages else task.prompt
+    images = [img.sha256 for img in task.images]  # two pictures under the same words are two prompts
+    blob = json.dumps([name, cfg.url, cfg.model, data.get("rubric"), data.get("reference"), prompt, images, completion])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

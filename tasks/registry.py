@@ -172,7 +172,7 @@ def unregister(name: str) -> None:
 def prompt_of(task) -> str | list[dict[str, str]]:
     """A task's prompt as TRL's reward functions take it: text, or chat messages."""
     if task.messages:
-        return [{"role": m.role, "content": m.content} for m in task.messages]
+        return [{"role": m.role, "content": m.text} for m in task.messages]
     return task.prompt or ""
 
 

@@ -45,10 +45,10 @@ def _load(name: str):
 
 def _text(tok, task, completion: str) -> str:
     if task.messages and getattr(tok, "chat_template", None):
-        turns = [{"role": m.role, "content": m.content} for m in task.messages]
+        turns = [{"role": m.role, "content": m.text} for m in task.messages]
         return tok.apply_chat_template([*turns, {"role": "assistant", "content": completion}], tokenize=False)
     if task.messages:
-        return "".join(f"{m.role}: {m.content}\n" for m in task.messages) + f"assistant: {completion}"
+        return "".join(f"{m.role}: {m.text}\n" for m in task.messages) + f"assistant: {completion}"
     return (task.prompt or "") + completion
 
 

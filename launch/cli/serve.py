@@ -408,12 +408,13 @@ def producer(config: Path = CONFIG) -> None:
         await transport.create_topics(topics.specs(getattr(cfg.transport, "partitions", 4)))
         jobs = []
         server = None
+        # the producer's tasks and the API's images both go to the object store
+        store = await wait_for_object_store(cfg.object_store) if source is not None or pc.http_port is not None else None
         if pc.http_port is not None:
-            api = build.build_api(cfg, transport)
+            api = build.build_api(cfg, transport, store)
             server = uvicorn.Server(uvicorn.Config(api, host=pc.http_host, port=pc.http_port, log_config=None, access_log=False))
             jobs.append(asyncio.create_task(server.serve()))
         if source is not None:
-            store = await wait_for_object_store(cfg.object_store)
             prod = build.build(cfg, transport, topics, store, source)
             jobs.append(asyncio.create_task(prod.run(stop)))
         stopper = asyncio.create_task(stop.wait())

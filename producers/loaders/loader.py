@@ -11,6 +11,7 @@ from conveyor.contracts import Task
 from conveyor.topics import validate_run_id
 from producers.loaders.errors import FieldError, RecordError, RecordRejected, TaskFileError
 from producers.loaders.formats import read_records
+from producers.loaders.images import PutImage
 from producers.loaders.mapping import FieldMapping, resolve_mapping
 from producers.loaders.records import MISSING, build_task, get_field
 
@@ -34,6 +35,7 @@ class TaskLoader:
         group_size: int | None = None,
         max_task_bytes: int | None = None,
         batch_rows: int = 1024,
+        put_image: PutImage | None = None,
     ) -> None:
         if on_error not in ("skip", "fail"):
             raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
@@ -46,6 +48,7 @@ class TaskLoader:
         self.group_size = group_size
         self.max_task_bytes = max_task_bytes
         self.batch_rows = batch_rows
+        self.put_image = put_image
         self.errors: list[RecordError] = []
         self.records = 0
         self.tasks = 0
@@ -82,6 +85,8 @@ class TaskLoader:
                     source=where,
                     group_size=self.group_size,
                     max_task_bytes=self.max_task_bytes,
+                    put_image=self.put_image,
+                    base_dir=self.path.parent,
                 )
             except FieldError as exc:
                 self._reject(RecordError(file, raw.line, raw.row, exc.field, exc.reason))

@@ -73,6 +73,9 @@ class FieldMapping(_Model):
     priority: str | None = None
     sampling: str | None = None
     """Field with sampling parameters (an object like SamplingParams)."""
+    images: str | None = "images"
+    """Field with the record's images (``producers/loaders/images.py``: bytes, paths or
+    ``{bytes, path}`` objects, one or a list), placed at the prompt's ``<image>`` markers."""
     tools: str | None = "tools"
     """Field with the functions the model may call (OpenAI's format); absent or null: none."""
     metadata: list[str] = Field(default_factory=list)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from conveyor.contracts import ChatMessage, DecodeError, SamplingParams, Task, VerifierSpec, decode, encode
 from producers.loaders.errors import FieldError
+from producers.loaders.images import PutImage, RecordImages, content_parts, lead_with_images, record_images
 from producers.loaders.mapping import FieldMapping, VerifierRule
 from tasks import environments, registry
 from tasks.function_tools import tools_problem
@@ -86,7 +88,7 @@ def _as_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
-def _messages(value: Any, path: str) -> list[ChatMessage]:
+def _messages(value: Any, path: str, images: RecordImages) -> list[ChatMessage]:
     if not isinstance(value, list):
         raise FieldError(path, f"expected a list of chat messages, got {_type_name(value)}")
     if not value:
@@ -99,18 +101,31 @@ def _messages(value: Any, path: str) -> list[ChatMessage]:
         role, content, name = m.get("role"), m.get("content"), m.get("name")
         if role not in _ROLES:
             raise FieldError(f"{where}.role", f"expected one of {', '.join(_ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise FieldError(f"{where}.content", f"expected text, got {_type_name(content)}")
+        if not isinstance(content, (str, list)):
+            raise FieldError(f"{where}.content", f"expected text or a list of parts, got {_type_name(content)}")
         if name is not None and not isinstance(name, str):
             raise FieldError(f"{where}.name", f"expected text, got {_type_name(name)}")
-        out.append(ChatMessage(role=role, content=content, name=name))
-    if not any(m.content.strip() for m in out):
+        out.append(ChatMessage(role=role, content=content_parts(content, images, f"{where}.content"), name=name))
+    if not any(m.text.strip() or m.images for m in out):
         raise FieldError(path, "every chat message is empty")
-    return out
+    return _place_images(out, images, path)
 
 
-def _prompt(record: dict[str, Any], mapping: FieldMapping) -> tuple[str | None, list[ChatMessage] | None]:
-    """(prompt, messages): exactly one is set."""
+def _place_images(messages: list[ChatMessage], images: RecordImages, path: str) -> list[ChatMessage]:
+    """Images no marker placed go ahead of the first user message's content."""
+    if images.used or not images.values:
+        images.check_all_used()
+        return messages
+    at = next((i for i, m in enumerate(messages) if m.role == "user"), None)
+    if at is None:
+        raise FieldError(images.field, f"images but no user message in {path} to put them in")
+    m = messages[at]
+    placed = ChatMessage(role=m.role, content=lead_with_images(m.content, images, images.field), name=m.name)
+    return [*messages[:at], placed, *messages[at + 1 :]]
+
+
+def _prompt(record: dict[str, Any], mapping: FieldMapping, images: RecordImages) -> tuple[str | None, list[ChatMessage] | None]:
+    """(prompt, messages): exactly one is set. A text prompt with images becomes one user message."""
     found = [
         (path, value)
         for path in (mapping.messages, mapping.prompt)
@@ -125,9 +140,11 @@ def _prompt(record: dict[str, Any], mapping: FieldMapping) -> tuple[str | None, 
     if isinstance(value, str):
         if not value.strip():
             raise FieldError(path, "empty prompt")
+        if images.values:
+            return None, _messages([{"role": "user", "content": value}], path, images)
         return value, None
     if isinstance(value, list):
-        return None, _messages(value, path)
+        return None, _messages(value, path, images)
     raise FieldError(path, f"expected text or a list of chat messages, got {_type_name(value)}")
 
 
@@ -231,11 +248,19 @@ def build_task(
     source: str = "",
     group_size: int | None = None,
     max_task_bytes: int | None = None,
+    put_image: PutImage | None = None,
+    base_dir: Path | None = None,
 ) -> Task:
-    """One record as a :class:`Task`; raises ``FieldError`` naming the field at fault."""
+    """One record as a :class:`Task`; raises ``FieldError`` naming the field at fault.
+
+    ``put_image`` keeps the record's images (``conveyor.images.store_image`` bound to a store);
+    ``base_dir`` is where relative image paths start (the dataset file's folder)."""
     if not isinstance(record, dict):
         raise FieldError(None, f"expected an object, got {_type_name(record)}")
-    prompt, messages = _prompt(record, mapping)
+    found = MISSING if mapping.images is None else get_field(record, mapping.images)
+    values = [] if found is MISSING else found
+    images = record_images(values, mapping.images or "images", put_image, base_dir)
+    prompt, messages = _prompt(record, mapping, images)
     verifier = _verifier(record, mapping.verifier)
     if mapping.task_id is not None and (raw_id := get_field(record, mapping.task_id)) is not MISSING:
         if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):

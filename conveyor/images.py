@@ -1,0 +1,99 @@
+"""Images in tasks: checked where they enter, stored once by content, read back verified.
+
+Every image a task carries enters through :func:`store_image` (the HTTP API, the dataset
+loaders, the visual suites): its bytes are decoded with Pillow and refused unless they are a
+PNG, JPEG or WebP within the size limits; they go to the object store under their sha256
+(``images/<sha[:2]>/<sha>.<ext>``) and the task holds an :class:`~conveyor.contracts.ImagePart`
+reference. Kafka records and the lake carry that reference, never the pixels; the rollout
+worker and the learner read the bytes with :func:`load_image`, which checks the digest.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from conveyor.contracts import ImagePart
+from conveyor.keys import image_key
+from conveyor.objectstore import sha256_hex
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+    from conveyor.objectstore import ObjectStore
+
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+"""Largest encoded image accepted (8 MiB)."""
+MAX_IMAGE_SIDE = 4096
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Largest decoded image: a small file can decode to gigabytes (a decompression bomb), so the
+dimensions in the header are checked before any pixel is decoded."""
+_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+
+
+class ImageError(ValueError):
+    """Bytes that are not an image Conveyor accepts; the message says why."""
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    media_type: str
+    width: int
+    height: int
+
+
+def check_image(data: bytes) -> ImageInfo:
+    """The image's type and size, or :class:`ImageError` naming what is wrong with it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise ImageError("empty image")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"image is {len(data)} bytes; the limit is {MAX_IMAGE_BYTES}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=list(_FORMATS))
+            width, height = img.size
+            if width > MAX_IMAGE_SIDE or height > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
+                raise ImageError(
+                    f"image is {width}x{height}; the limits are {MAX_IMAGE_SIDE} a side and {MAX_IMAGE_PIXELS} pixels"
+                )
+            img.load()  # decodes every pixel: a truncated or corrupt body fails here, not in a worker
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise ImageError("not a PNG, JPEG or WebP image") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"image does not decode: {exc}") from None
+    if width < 1 or height < 1:
+        raise ImageError(f"image is {width}x{height}")
+    return ImageInfo(_FORMATS[str(img.format)], width, height)
+
+
+def store_image(store: ObjectStore, data: bytes) -> ImagePart:
+    """Check ``data`` and store it once by content; the reference a task carries."""
+    info = check_image(data)
+    sha = sha256_hex(data)
+    key = image_key(sha, info.media_type)
+    store.put_if_absent(key, data, sha256=sha)
+    return ImagePart(key=key, sha256=sha, media_type=info.media_type, width=info.width, height=info.height)  # type: ignore[arg-type]
+
+
+def load_image(store: ObjectStore, part: ImagePart) -> PILImage.Image:
+    """The image a reference names, as RGB, its bytes checked against the reference's digest
+    (``ChecksumMismatch`` when they differ)."""
+    from PIL import Image
+
+    data = store.get(part.key, sha256=part.sha256)
+    img = Image.open(io.BytesIO(data), formats=list(_FORMATS))
+    img.load()
+    return img.convert("RGB")
+
+
+def encode_png(img: PILImage.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=False)
+    return buf.getvalue()
