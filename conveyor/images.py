@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,25 @@ def store_image(store: ObjectStore, data: bytes) -> ImagePart:
     key = image_key(sha, info.media_type)
     store.put_if_absent(key, data, sha256=sha)
     return ImagePart(key=key, sha256=sha, media_type=info.media_type, width=info.width, height=info.height)  # type: ignore[arg-type]
+
+
+class ImageKeeper:
+    """``store_image`` into a store opened on the first image (a text-only dataset or suite never
+    opens one), remembering what it stored: an image that many tasks or epochs share is put once."""
+
+    def __init__(self, open_store: Callable[[], ObjectStore]) -> None:
+        self._open = open_store
+        self._store: ObjectStore | None = None
+        self._seen: dict[str, ImagePart] = {}
+
+    def __call__(self, data: bytes) -> ImagePart:
+        sha = sha256_hex(data)
+        part = self._seen.get(sha)
+        if part is None:
+            if self._store is None:
+                self._store = self._open()
+            part = self._seen[sha] = store_image(self._store, data)
+        return part
 
 
 def load_image(store: ObjectStore, part: ImagePart) -> PILImage.Image:

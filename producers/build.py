@@ -36,17 +36,21 @@ def task_source(cfg: RunConfig) -> TaskSource | None:
         return TaskSource(itertools.islice(stream, pc.max_tasks) if pc.max_tasks else stream)
     if not pc.suite:
         return None
+    from conveyor.images import ImageKeeper
+    from conveyor.objectstore import open_object_store
     from producers.sources import suite_stream, suite_tasks
 
+    put_image = ImageKeeper(lambda: open_object_store(cfg.object_store))  # suites that draw pictures keep them here
     if pc.curriculum:
         from producers.curriculum import Curriculum, CurriculumConfig
 
         curriculum = Curriculum(
-            suite_tasks(pc.suite, cfg.run_id, pc.group_size),
+            suite_tasks(pc.suite, cfg.run_id, pc.group_size, put_image),
             CurriculumConfig(seed=pc.seed, min_hard_fraction=pc.min_hard_fraction),
         )
         return TaskSource(curriculum, curriculum)
-    return TaskSource(suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks))
+    stream = suite_stream(pc.suite, cfg.run_id, pc.group_size, seed=pc.seed, max_tasks=pc.max_tasks, put_image=put_image)
+    return TaskSource(stream)
 
 
 def build(cfg: RunConfig, transport: Transport, topics: Topics, store: ObjectStore | None, source: TaskSource) -> TaskProducer:

@@ -20,10 +20,10 @@ import msgspec
 import structlog
 
 from conveyor.config import RunConfig
-from conveyor.contracts import ImagePart, SamplingParams, Task
+from conveyor.contracts import SamplingParams, Task
 from conveyor.errors import ConfigError
-from conveyor.images import store_image
-from conveyor.objectstore import ObjectStore, open_object_store, sha256_hex
+from conveyor.images import ImageKeeper
+from conveyor.objectstore import open_object_store
 from producers.loaders import RecordError, RecordRejected, TaskFileError, TaskLoader, resolve_mapping
 
 log = structlog.get_logger(__name__)
@@ -37,25 +37,6 @@ class Dataset:
     records: int = 0
     rejected: list[RecordError] = field(default_factory=list)
     held_out: list[Task] = field(default_factory=list)  # tasks of the other split (the evaluator's)
-
-
-class _LazyImages:
-    """Stores a dataset's images in the run's object store, opened on the first image, so a
-    text-only dataset loads without one."""
-
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
-        self.store: ObjectStore | None = None
-        self.seen: dict[str, ImagePart] = {}  # sha256 -> reference: an image many records share is put once
-
-    def __call__(self, data: bytes) -> ImagePart:
-        sha = sha256_hex(data)
-        if sha in self.seen:
-            return self.seen[sha]
-        if self.store is None:
-            self.store = open_object_store(self.cfg.object_store)
-        part = self.seen[sha] = store_image(self.store, data)
-        return part
 
 
 def load_dataset(cfg: RunConfig) -> Dataset:
@@ -74,7 +55,7 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     defaults = SamplingParams(**cfg.sampling.model_dump())
     out = Dataset(tasks=[])
     seen: dict[str, str] = {}
-    put_image = _LazyImages(cfg)
+    put_image = ImageKeeper(lambda: open_object_store(cfg.object_store))
     for path in data.files:
         try:
             loader = TaskLoader(path, cfg.run_id, mapping, data.on_error, put_image=put_image)
