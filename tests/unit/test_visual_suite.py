@@ -58,7 +58,7 @@ def test_each_picture_shows_its_answer():
             assert len(sizes) == 3 and max(sizes) > 1.5 * sorted(sizes)[1], p.id
         else:
             assert p.answer.isdigit() and 2 <= len(p.answer) <= 4
-            assert any(px != (255, 255, 255) for px in img.getdata())  # something is written
+            assert img.getextrema() != ((255, 255),) * 3  # something is written
 
 
 def test_the_reference_passes_and_the_wrong_answer_fails():
