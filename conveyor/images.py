@@ -34,6 +34,11 @@ dimensions in the header are checked before any pixel is decoded."""
 _FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 
 
+PutImage = Callable[[bytes], ImagePart]
+"""Checks an image's bytes and keeps them, returning the reference (``store_image`` bound to a
+store, or an :class:`ImageKeeper`): what dataset loaders and suites that draw pictures are given."""
+
+
 class ImageError(ValueError):
     """Bytes that are not an image Conveyor accepts; the message says why."""
 

@@ -19,13 +19,14 @@ def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
     (on the GPU when there is one; the step autocasts to bf16), activation checkpointing when the
     config asks, FSDP2-sharded over ``ranks`` when there are several."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from conveyor.vision import is_vision_model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     check_attn_implementation(cfg.learner.attn_implementation)
-    policy = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=cfg.learner.attn_implementation
-    )
+    auto = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
+    policy = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=cfg.learner.attn_implementation)
     if cfg.learner.context_parallel > 1:
         use_ring_attention(policy)
     if torch.cuda.is_available():
@@ -37,6 +38,22 @@ def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
 
         policy = shard(policy, mixed_precision=torch.cuda.is_available())
     return policy, tok
+
+
+def vision_of(model_dir: Path, cfg: RunConfig):
+    """A vision-language model's prompting (``conveyor.vision.VisionPrompting``: its image
+    processor), None for a text model; ConfigError, naming the field, for what it cannot run."""
+    from conveyor.errors import ConfigError
+    from conveyor.vision import VisionModelError, VisionPrompting, is_vision_model
+
+    if not is_vision_model(model_dir):
+        return None
+    if cfg.learner.context_parallel > 1:
+        raise ConfigError("learner.context_parallel: a vision-language model trains its sequences whole, on one process")
+    try:
+        return VisionPrompting(model_dir)
+    except VisionModelError as exc:
+        raise ConfigError(f"model: {exc}") from None
 
 
 def use_ring_attention(model) -> None:
@@ -92,10 +109,12 @@ def build(
     run_dir: Path,
     ranks=None,
     wait_for_admitted: bool = True,
+    vision=None,
 ) -> GRPOLearner:
     """The learner of ``model`` (loaded by :func:`load_policy`). ``wait_for_admitted``: a batch
     also waits for the oldest attempt the workers started that has not arrived
-    (``learner/admitted_window.py``). Raises ValueError for settings that cannot be combined."""
+    (``learner/admitted_window.py``); ``vision``: a vision-language model's :func:`vision_of`.
+    Raises ValueError for settings that cannot be combined."""
     return GRPOLearner(
         transport,
         topics,
@@ -110,4 +129,5 @@ def build(
         # named after the run (a restarted learner logs into a run of the same name), with the whole
         # config, secrets masked
         tracker=open_tracker(cfg.tracking, run_dir, cfg.run_id, cfg.model_dump(mode="json")),
+        vision=vision,
     )

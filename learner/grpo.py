@@ -114,10 +114,11 @@ def check_prompts(prompts: list[list[int]], completions: list[list[int]]) -> Non
 
 
 def whole_sequence_logprobs(
-    model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None
+    model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None, extra_inputs=None
 ) -> list[torch.Tensor]:
     """:func:`completion_logprobs` with every sequence run whole (right-padded): the plain reference
-    the shared-prefix and packed paths are checked against."""
+    the shared-prefix and packed paths are checked against. ``extra_inputs(ids)``: more keyword
+    inputs of the model's forward for these ids (a vision-language model's pixels, ``learner/vision.py``)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -127,7 +128,7 @@ def whole_sequence_logprobs(
         mask[i, : len(s)] = 1
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits = model(input_ids=ids, attention_mask=mask, **(extra_inputs(ids) if extra_inputs else {})).logits
     sel = torch.zeros(ids[:, 1:].shape, dtype=torch.bool, device=device)  # positions that predict a completion token
     for i, (p, c) in enumerate(zip(prompts, completions)):
         sel[i, len(p) - 1 : len(p) - 1 + len(c)] = True

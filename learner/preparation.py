@@ -10,8 +10,9 @@
   sampling) and counted.
 - The rest become the trainer's ``work``: token ids, behaviour log-probabilities, advantages
   (``learner/grpo.py``), loss masks, whether exactly the current weights generated each sample
-  (its gap to the learner's log-probabilities is then the train/inference mismatch), and each
-  sample's sampling temperature (a greedy sample has no sampled distribution: 1).
+  (its gap to the learner's log-probabilities is then the train/inference mismatch), each
+  sample's sampling temperature (a greedy sample has no sampled distribution: 1) and, for
+  tasks with pictures, each sample's image references (read from the store before the step).
 
 ``prepare`` changes nothing: it returns what it decided (``Prepared``), and the recipe applies
 that to its ledger of rollout ids and its counters.
@@ -66,7 +67,9 @@ class Prepared:
 def prepare(batch: list[list[ScoredRollout]], version: int, config: LearnerConfig) -> Prepared:
     """The work of a step taken at policy ``version`` on ``batch`` (complete groups)."""
     out = Prepared(work=None)
-    columns: dict[str, list] = {k: [] for k in ("prompts", "completions", "behaviour", "advantages", "masks", "fresh", "temps")}
+    columns: dict[str, list] = {
+        k: [] for k in ("prompts", "completions", "behaviour", "advantages", "masks", "fresh", "temps", "images")
+    }
     for group in batch:
         out.rewards.extend(s.reward for s in group)
         out.passed += sum(s.verdict == "pass" for s in group)
@@ -108,7 +111,10 @@ def prepare(batch: list[list[ScoredRollout]], version: int, config: LearnerConfi
             columns["temps"].append(temp if temp > 0 else 1.0)
             columns["masks"].append(_tensor(r.loss_mask, torch.uint8).float())
             columns["advantages"].append(a * w)  # a stale sample's say in the update shrinks with its age
+            columns["images"].append(r.task.images if r.task is not None else [])
             out.trained.append(r.rollout_id)
+    if not any(columns["images"]):
+        del columns["images"]  # a text batch: the work has no images column
     if out.trained:
         out.work = columns
     return out

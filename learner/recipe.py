@@ -55,8 +55,9 @@ import structlog
 from conveyor import keys
 from conveyor.admission import AdmissionLedger
 from conveyor.config import LearnerConfig
-from conveyor.contracts import ScoredRollout
+from conveyor.contracts import ImagePart, ScoredRollout
 from conveyor.errors import ConfigError
+from conveyor.images import load_image
 from conveyor.messaging import ClaimCheck, ServiceClients, Subscriber
 from conveyor.metrics import process_learner_metrics
 from conveyor.objectstore import ObjectStore
@@ -102,6 +103,7 @@ class GRPOLearner:
         ranks: RankGroup | None = None,
         claim_check: ClaimCheck | None = None,
         tracker: Tracker | None = None,
+        vision=None,
     ) -> None:
         self.claim_check = claim_check  # messages over its threshold travel through the object store
         self.config = config = config if config is not None else LearnerConfig()
@@ -112,8 +114,11 @@ class GRPOLearner:
         self.admission_bound = admission_bound
         self.group_id = group_id or topics.group("learner")
         self.source = source
-        steps_in = StepProcess if config.step_process else Trainer  # optimizer steps in a child process, or here
-        self.trainer: Trainer | StepProcess = steps_in(model, pad_id, config, ranks=ranks)
+        if vision is not None:  # a vision-language model's steps take pixels: in this process
+            self.trainer: Trainer | StepProcess = Trainer(model, pad_id, config, ranks=ranks, vision=vision)
+        else:
+            steps_in = StepProcess if config.step_process else Trainer  # optimizer steps in a child process, or here
+            self.trainer = steps_in(model, pad_id, config, ranks=ranks)
         self.counters: Counter[str] = Counter()  # why samples were dropped, waited for, skipped (the metrics' columns)
         self.batcher = Batcher(config, self.counters)
         on_gpu = next(iter(model.parameters())).is_cuda if model is not None else False
@@ -275,6 +280,15 @@ class GRPOLearner:
         return {"samples_consumed": self.samples_consumed, "policy_version": self.version, "step": self.step, **self._last_step}
 
     # ------------------------------------------------------------- training
+    def _pictures(self, refs: list[list[ImagePart]]) -> list[list]:
+        """Each sample's images from the store (digests checked), each distinct image read once."""
+        seen: dict[str, object] = {}
+        for row in refs:
+            for r in row:
+                if r.sha256 not in seen:
+                    seen[r.sha256] = load_image(self.store, r)
+        return [[seen[r.sha256] for r in row] for row in refs]
+
     def train_step(self, batch: list[list[ScoredRollout]]) -> dict:
         """One step on ``batch`` (complete groups) from the current version: its statistics. A batch
         with nothing to train on is not a step (no update; ``step`` stays)."""
@@ -287,6 +301,8 @@ class GRPOLearner:
         stats: dict = {"loss": None, "importance_mean": None, "importance_max": None, "clip_fraction": None}
         tokens = 0
         if prepared.work is not None:
+            if "images" in prepared.work:
+                prepared.work["images"] = self._pictures(prepared.work["images"])
             stats.update(self.trainer.step(prepared.work))
             tokens = int(stats["tokens"])
             self.step += 1

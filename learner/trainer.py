@@ -38,6 +38,7 @@ from conveyor.config import LearnerConfig
 from learner.distributed import RankGroup, full_model_state, full_optimizer_state, load_full_state, split_by_tokens
 from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs
 from learner.packing import LogprobHead, pack_sequences, packed_completion_logprobs, shares_prompts
+from learner.vision import vision_logprobs
 
 
 def hf_model(model):
@@ -75,7 +76,9 @@ def copy_weights(hf, weights: bytes) -> None:
 class Trainer:
     """The policy's training state and its optimisation step (see the module's docstring)."""
 
-    def __init__(self, model, pad_id: int, config: LearnerConfig, *, ranks: RankGroup | None = None) -> None:
+    def __init__(self, model, pad_id: int, config: LearnerConfig, *, ranks: RankGroup | None = None, vision=None) -> None:
+        if vision is not None and ranks is not None:
+            raise ValueError("a vision-language model trains on one process (learner ranks: 1)")
         if ranks is not None:
             if config.kl_coef > 0:
                 raise ValueError("learner.kl_coef > 0 is not supported on several ranks (the frozen reference is not sharded)")
@@ -90,6 +93,7 @@ class Trainer:
         self.config = config
         self.loss = LossConfig.of(config)
         self.ranks = ranks
+        self.vision = vision  # a vision-language model's conveyor.vision.VisionPrompting: sequences run whole, with pixels
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
         warm = max(1, config.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
@@ -223,13 +227,21 @@ class Trainer:
         mine = per_rank[self.ranks.data_rank]
         return mine + [[] for _ in range(passes - len(mine))]
 
-    def logprobs(self, prompts, completions, temps, entropy=None, token_entropies=None, stats=None) -> list[torch.Tensor]:
+    def logprobs(self, prompts, completions, temps, entropy=None, token_entropies=None, stats=None, images=None,
+                 model=None) -> list[torch.Tensor]:  # fmt: skip
         """The completion tokens' log-probabilities under the policy (packed or padded; bf16 matmuls
-        and fp32 log-softmax on a GPU; with context parallelism, every pack split over the group)."""
+        and fp32 log-softmax on a GPU; with context parallelism, every pack split over the group;
+        a vision-language model's sequences whole, with their ``images``). ``model``: another
+        model than the policy (the KL reference)."""
         device_type = next(self.model.parameters()).device.type
         pack_tokens = self.config.pack_tokens
         context = self.ranks.context if self.ranks is not None and self.ranks.context.size > 1 else None
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device_type == "cuda"):
+            if self.vision is not None:
+                return vision_logprobs(model or self.model, self.vision, prompts, completions, images, self.pad_id,
+                                       entropy, temps, token_entropies)  # fmt: skip
+            if model is not None:
+                return completion_logprobs(model, prompts, completions, self.pad_id, temperatures=temps)
             if pack_tokens:
                 return packed_completion_logprobs(self.model, prompts, completions, pack_tokens=pack_tokens,
                                                   entropy=entropy, temperatures=temps, token_entropies=token_entropies,
@@ -238,7 +250,16 @@ class Trainer:
                                        token_entropies=token_entropies)  # fmt: skip
 
     def accumulate(
-        self, prompts, completions, behaviour, advantages, masks, fresh=None, temps=None, prox_cache: list | None = None
+        self,
+        prompts,
+        completions,
+        behaviour,
+        advantages,
+        masks,
+        fresh=None,
+        temps=None,
+        prox_cache: list | None = None,
+        images=None,
     ) -> tuple[float, dict]:
         """Forward and backward over ``micro_batches``; the gradients equal one pass over the whole
         batch (each part is normalised by the batch's totals; on several ranks each part is scaled
@@ -273,6 +294,7 @@ class Trainer:
             pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
             p, c = pick(prompts), pick(completions)
             t = pick(temps) if temps else None
+            im = pick(images) if images else None
             prox = ref = None
             if cfg.objective == "decoupled":
                 if prox_cache is not None and part < len(prox_cache):
@@ -280,16 +302,16 @@ class Trainer:
                 else:
                     with torch.no_grad():  # the proximal policy: current weights, before this step's updates
                         self.model.eval()
-                        prox = [x.float() for x in self.logprobs(p, c, t)]
+                        prox = [x.float() for x in self.logprobs(p, c, t, images=im)]
                     if prox_cache is not None:
                         prox_cache.append(prox)
             if cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref = completion_logprobs(self.reference, p, c, self.pad_id, temperatures=t)
+                    ref = self.logprobs(p, c, t, images=im, model=self.reference)
             self.model.train()
             ent: list[float] = []
             tok_ents = [] if cfg.entropy_coef > 0 else None  # per-token entropies for the bonus
-            new = [x.float() for x in self.logprobs(p, c, t, ent, tok_ents, cp_stats)]
+            new = [x.float() for x in self.logprobs(p, c, t, ent, tok_ents, cp_stats, images=im)]
             if zero:
                 (sum(x.sum() for x in new) * 0.0).backward()
                 continue

@@ -58,6 +58,8 @@ class SamplingRequest:
     stop_token_ids: frozenset[int] = frozenset()
     greedy: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    images: tuple = ()
+    """The prompt's pictures (PIL images, in prompt order) for a vision-language model."""
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one reference-engine batch."""
@@ -172,6 +174,10 @@ class BatchingEngine:
         return self.inner.version
 
     @property
+    def reads_images(self) -> bool:
+        return getattr(self.inner, "reads_images", False)
+
+    @property
     def max_context(self) -> int | None:
         return getattr(self.inner, "max_context", None)
 
@@ -248,6 +254,7 @@ class BatchingEngine:
             for items in groups.values():
                 req0 = items[0][0]
                 try:
+                    pictures = {"images": [list(r.images) for r, _ in items]} if any(r.images for r, _ in items) else {}
                     async with self._lock:
                         results = await asyncio.to_thread(
                             self.inner.generate,
@@ -257,6 +264,7 @@ class BatchingEngine:
                             temperature=req0.temperature,
                             stop_token_ids=set(req0.stop_token_ids),
                             greedy=req0.greedy,
+                            **pictures,
                         )
                 except Exception as exc:  # noqa: BLE001 - every waiter gets the engine's failure
                     for _, fut in items:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from conveyor.vision import is_vision_model
 from rollout_workers.engine import BatchingEngine
 from rollout_workers.reference_engine import ReferenceEngine
 
@@ -34,4 +35,8 @@ def open_engine(rollout_cfg, model_dir):
                 **v.extra,
             },
         )
+    if is_vision_model(model_dir):
+        from rollout_workers.vision_engine import VisionReferenceEngine
+
+        return BatchingEngine(VisionReferenceEngine(model_dir, seed=rollout_cfg.seed, threads=rollout_cfg.threads or None))
     return BatchingEngine(ReferenceEngine(model_dir, seed=rollout_cfg.seed, threads=rollout_cfg.threads or None))

@@ -145,7 +145,7 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
         nexts = await asyncio.gather(*(
             engine.generate(SamplingRequest(prompt + episodes[i].token_ids, n=1, max_tokens=first.max_tokens,
                                             temperature=first.temperature, top_p=first.top_p,
-                                            stop_token_ids=first.stop_token_ids,
+                                            stop_token_ids=first.stop_token_ids, images=first.images,
                                             request_id=f"{first.request_id}/{i}/t{turn + 1}"))
             for i in still
         ))  # fmt: skip

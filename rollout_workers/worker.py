@@ -59,6 +59,7 @@ from conveyor.contracts import (
     rollout_id,
 )
 from conveyor.errors import ChecksumMismatch
+from conveyor.images import load_image
 from conveyor.limits import MAX_GROUP_SIZE
 from conveyor.messaging import ClaimCheck, Delivery, Publisher, ServiceClients, Subscriber
 from conveyor.metrics import process_rollout_metrics
@@ -402,8 +403,10 @@ class RolloutWorker:
         if too_long:
             raise TaskRefused(too_long)
         greedy = sp.temperature == 0  # temperature 0 means greedy, as in vLLM and the OpenAI API
+        pictures = await self._pictures(task) if task.images else ()
         request = SamplingRequest(
             prompt,
+            images=pictures,
             n=task.group_size,
             max_tokens=sp.max_tokens,
             temperature=1.0 if greedy else sp.temperature,
@@ -427,6 +430,22 @@ class RolloutWorker:
             completions = [cut_at_stop_strings(c, stop_texts, self.engine.decode) for c in completions]
         finished = time.time()
         return [self._rollout(task, prompt, i, c, started, finished) for i, c in enumerate(completions)]
+
+    async def _pictures(self, task: Task) -> tuple:
+        """The task's images, read from the object store (digests checked). One that is missing,
+        altered or undecodable refuses the task; a store that does not answer is retried as any
+        other store outage is."""
+
+        def read() -> tuple:
+            out = []
+            for img in task.images:
+                try:
+                    out.append(load_image(self.store, img))
+                except (ObjectNotFound, ChecksumMismatch, OSError, ValueError) as exc:
+                    raise TaskRefused(f"image {img.key}: {exc}") from None
+            return tuple(out)
+
+        return await asyncio.to_thread(read)
 
     def _rollout(self, task: Task, prompt: list[int], i: int, c: Completion, started: float, finished: float,
                  loss_mask: list[int] | None = None, turns: list | None = None) -> Rollout:  # fmt: skip

@@ -5,7 +5,8 @@ Hugging Face checkpoint stores). An export joins one version's weights with the 
 files (config, tokenizer, chat template, generation config): those the learner stored under
 ``runs/<run>/model/`` when the run started, or those of ``base`` (the model the run started from)
 for a run that has none. The weights are loaded through transformers and saved again in the
-requested dtype, so what is written is what ``AutoModelForCausalLM.from_pretrained`` reads.
+requested dtype, so what is written is what ``AutoModelForCausalLM.from_pretrained`` reads
+(``AutoModelForImageTextToText`` for a vision-language model, exported with its image processor).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ MODEL_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    "preprocessor_config.json",  # a vision-language model's image processor
+    "processor_config.json",
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -82,7 +85,9 @@ def export_model(
     if version not in versions:
         raise ExportError(f"run {run_id!r} has no version {version} (published: {versions[0]}..{versions[-1]})")
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from conveyor.vision import is_vision_model
 
     with tempfile.TemporaryDirectory(prefix="conveyor-export-") as tmp:
         staged = Path(tmp)
@@ -103,7 +108,8 @@ def export_model(
         on_stage(1, status=f"config and tokenizer of {run_id}")
         store.get_file(keys.weights_key(run_id, version), staged / "model.safetensors")
         on_stage(1, status=f"weights v{version} fetched")
-        model = AutoModelForCausalLM.from_pretrained(staged, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
+        auto = AutoModelForImageTextToText if is_vision_model(staged) else AutoModelForCausalLM
+        model = auto.from_pretrained(staged, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
         on_stage(1, status=f"loaded as {str(model.dtype).removeprefix('torch.')}")
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)

@@ -235,6 +235,7 @@ def learner(
         torch.set_num_threads(threads)
     try:  # a field that does not fit the ranks, the model or this machine: refused at start, named
         ranks = RankGroup.from_env(cfg.learner.context_parallel)  # None unless torchrun started several processes
+        vision = build.vision_of(model_dir, cfg)  # a vision-language model's image processor
         policy, tok = build.load_policy(model_dir, cfg, ranks)
     except ConfigError as exc:
         typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
@@ -248,7 +249,8 @@ def learner(
 
     def service(transport, topics, store):
         try:
-            learner = build.build(cfg, transport, topics, store, model=policy, pad_id=tok.pad_token_id, run_dir=out, ranks=ranks)
+            learner = build.build(cfg, transport, topics, store, model=policy, pad_id=tok.pad_token_id, run_dir=out,
+                                  ranks=ranks, vision=vision)  # fmt: skip
         except ValueError as exc:
             raise refused(exc) from None
         store_model_files(store, cfg.run_id, model_dir)  # so any version exports as a whole model

@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from conveyor.contracts import IMAGE_PLACEHOLDER, ContentPart, ImagePart, TextPart
-from conveyor.images import ImageError
+from conveyor.images import ImageError, PutImage
 from producers.loaders.errors import FieldError
-
-PutImage = Callable[[bytes], ImagePart]
-"""Checks an image's bytes and stores them, returning the reference (``store_image`` bound to a store)."""
 
 
 class RecordImages:

@@ -28,7 +28,7 @@ from tasks.suites import split_of, suite_task
 if TYPE_CHECKING:
     from PIL import Image as PILImage
 
-    from producers.loaders.images import PutImage
+    from conveyor.images import PutImage
 
 SUITE = "visual"
 SEED = 11
