@@ -79,13 +79,20 @@ def check_image(data: bytes) -> ImageInfo:
     return ImageInfo(_FORMATS[str(img.format)], width, height)
 
 
-def store_image(store: ObjectStore, data: bytes) -> ImagePart:
-    """Check ``data`` and store it once by content; the reference a task carries."""
+def image_reference(data: bytes) -> ImagePart:
+    """Check ``data``; the reference it would have once stored (``conveyor tasks validate``
+    checks a file's images without storing them)."""
     info = check_image(data)
     sha = sha256_hex(data)
     key = image_key(sha, info.media_type)
-    store.put_if_absent(key, data, sha256=sha)
     return ImagePart(key=key, sha256=sha, media_type=info.media_type, width=info.width, height=info.height)  # type: ignore[arg-type]
+
+
+def store_image(store: ObjectStore, data: bytes) -> ImagePart:
+    """Check ``data`` and store it once by content; the reference a task carries."""
+    part = image_reference(data)
+    store.put_if_absent(part.key, data, sha256=part.sha256)
+    return part
 
 
 class ImageKeeper:

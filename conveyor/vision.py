@@ -85,6 +85,9 @@ class VisionPrompting:
         if self.tokenizer.convert_tokens_to_ids(self.image_token) != self.image_token_id:
             raise VisionModelError(f"{model_dir}: the tokenizer's {self.image_token} is not the config's image_token_id")
         self.merge_size = int(self.image_processor.merge_size)
+        video = getattr(config, "video_token_id", None)
+        self.placeholder_ids = sorted({self.image_token_id, *([int(video)] if video is not None else [])})
+        """Tokens that stand for pixels: never sampled (``suppress``), never trained on."""
 
     def tokens_per_image(self, width: int, height: int) -> int:
         patches = self.image_processor.get_number_of_image_patches(height, width, {})

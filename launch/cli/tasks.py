@@ -54,11 +54,12 @@ def validate(
 ) -> None:
     """Check a task file without publishing: every bad record is named, exit 1 if any."""
     from conveyor.errors import TerminalError
+    from conveyor.images import image_reference
     from producers.loaders import TaskLoader
 
     fmap = _mapping(preset, mapping)
     try:
-        loader = TaskLoader(file, run, fmap, on_error="skip")
+        loader = TaskLoader(file, run, fmap, on_error="skip", put_image=image_reference)  # images checked, not stored
         tasks = sum(1 for _ in loader)
     except (TerminalError, ValueError) as exc:
         fail(str(exc), 2)
@@ -168,6 +169,9 @@ def submit_file(
         fmap = fmap.model_copy(update={"default_group_size": cfg.producer.group_size})
     # A task the broker would refuse is a rejected record, not a failed submit halfway through.
     limit = getattr(cfg.transport, "max_request_bytes", None)
+    from conveyor.images import ImageKeeper
+    from conveyor.objectstore import open_object_store
+
     loader = TaskLoader(
         file,
         run_id,
@@ -175,6 +179,7 @@ def submit_file(
         on_error,  # type: ignore[arg-type]
         group_size=group_size,
         max_task_bytes=limit - (64 << 10) if limit else None,
+        put_image=ImageKeeper(lambda: open_object_store(cfg.object_store)),  # the run's store keeps the file's images
     )
     tasks = list(loader)  # everything is checked before anything is published
     report = SubmitReport(topic="", records=loader.records, rejected=loader.errors)

@@ -105,3 +105,23 @@ def test_a_run_config_file_sets_the_demos_sections(monkeypatch, tmp_path):
     run = seen["cfg"].run
     assert (run.learner.lr, run.learner.max_lag, run.sampling.top_p) == (0.001, 2, 0.9)  # the option wins over the file
     assert run.transport.type == "memory" and run.learner.batch_groups == 16  # the demo's own, and its defaults
+
+
+def test_vision_takes_its_own_defaults_and_refuses_vllm(monkeypatch, tmp_path):
+    import launch.demo
+    from tests.cli import invoke
+
+    seen = {}
+
+    def capture(cfg, display=None):
+        seen["cfg"] = cfg
+        raise _Captured
+
+    monkeypatch.setattr(launch.demo, "run_demo", capture)
+    result = invoke(monkeypatch, ["demo", "--vision", "--budget", "60", "--out", str(tmp_path)])
+    assert isinstance(result.exception, _Captured), result.output
+    cfg = seen["cfg"]
+    assert cfg == DemoConfig.for_vision(out_dir=tmp_path, rl_budget_s=60.0)  # given options win, the rest are the vision demo's
+    assert cfg.vision and cfg.run.producer.suite == "visual" and not cfg.run.learner.step_process
+    refused = invoke(monkeypatch, ["demo", "--vision", "--engine", "vllm", "--out", str(tmp_path)])
+    assert refused.exit_code == 2 and "torchvision" in refused.output

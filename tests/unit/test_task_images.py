@@ -300,3 +300,18 @@ def test_the_api_stores_submitted_images_and_refuses_bad_ones_naming_the_part(st
         assert sum(map(len, broker.topics[Topics("r").tasks])) == 1  # nothing of a refused request was published
 
     asyncio.run(go())
+
+
+def test_the_lake_keeps_references_and_replay_reads_the_pictures_back(store):
+    from storage.columns import rows_from_table, table_from_rows
+
+    task = image_task(store)
+    ro = Rollout(
+        rollout_id="ro", task_id="t1", run_id="r", sample_index=0, prompt_token_ids=[1, 2],
+        completion_token_ids=[3], behaviour_logprobs=[-0.1], loss_mask=[1], version_segments=[], task=task,
+    )  # fmt: skip
+    table = table_from_rows([ScoredRollout(rollout=ro, reward=1.0, verdict="pass")])
+    assert table.nbytes < 4096  # references, not pixels
+    (back,) = rows_from_table(table)
+    assert back.rollout.task == task
+    assert load_image(store, back.rollout.task.images[0]).getpixel((0, 0)) == (255, 0, 0)

@@ -94,6 +94,7 @@ def test_engine_and_learner_log_probabilities_agree_on_image_tasks(vlm, store):
         batched = asyncio.run(_generate(BatchingEngine(engine), prompts, images, temperature))
         rows = [(p, c, im) for p, im, group in zip(prompts, images, batched) for c in group]
         assert len(rows) == 6 and all(c.token_ids for _, c, _ in rows)
+        assert not any(set(c.token_ids) & set(engine.prompting.placeholder_ids) for _, c, _ in rows)
         learner = vision_logprobs(engine.model, engine.prompting, [r[0] for r in rows], [r[1].token_ids for r in rows],
                                   [r[2] for r in rows], engine.tokenizer.pad_token_id, temperatures=[temperature] * 6)  # fmt: skip
         for lp, (_, c, _) in zip(learner, rows):
