@@ -4,6 +4,8 @@ tasks' pictures kept by reference in the object store, the lake holding the refe
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -12,16 +14,18 @@ def demo(tmp_path_factory):
     from launch.demo import run_demo
     from launch.demo_config import DemoConfig
 
-    cfg = DemoConfig.for_vision(seed=0, run_id="ci-vision", out_dir=tmp_path_factory.mktemp("runs"), max_steps=MAX_STEPS,
+    run = {"learner": {"lr": LR}} if LR is not None else None
+    cfg = DemoConfig.for_vision(run, seed=0, run_id="ci-vision", out_dir=tmp_path_factory.mktemp("runs"), max_steps=MAX_STEPS,
                                 rl_budget_s=600, eval_every_s=0)  # fmt: skip
     return run_demo(cfg)
 
 
-MAX_STEPS = 25
+MAX_STEPS = 15
+LR = float(os.environ["CONVEYOR_VISION_LR"]) if "CONVEYOR_VISION_LR" in os.environ else None  # None: the demo's
 MARGIN = 0.10
-"""The held-out pass rate must rise by this much. A learner that does not learn (lr 0, the same
-seed and settings) moves it by 0.00 (the evaluation is greedy on a fixed held-out set: only new
-weights change it), and the full demo's figure is +0.25 or more (docs/BENCHMARKS.md)."""
+"""The held-out pass rate must rise by this much. A learner that does not learn (``CONVEYOR_VISION_LR=1e-12``,
+the same seed and settings) moves it by 0.00: the evaluation is greedy on a fixed held-out set,
+so only new weights change it (docs/BENCHMARKS.md)."""
 
 
 def test_the_held_out_pass_rate_rises(demo):
