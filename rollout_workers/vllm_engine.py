@@ -113,8 +113,12 @@ class VLLMEngine(Tokenizing):
     ) -> None:
         from transformers import AutoTokenizer
 
+        from conveyor.vision import VisionPrompting, is_vision_model
+
         self.model_dir = Path(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # A vision-language model: prompts tokenized as the learner tokenizes them (conveyor/vision.py)
+        self.prompting = VisionPrompting(model_dir) if is_vision_model(model_dir) else None
+        self.tokenizer = self.prompting.tokenizer if self.prompting else AutoTokenizer.from_pretrained(model_dir)
         self.version = 0
         self.engine_args = dict(
             model=str(model_dir),
@@ -141,6 +145,28 @@ class VLLMEngine(Tokenizing):
         self._tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in self._shapes
         self.max_context = int(max_model_len or config.get("max_position_embeddings") or 4096)
         self.last_swap_s: float | None = None
+
+    @property
+    def reads_images(self) -> bool:
+        return self.prompting is not None
+
+    def encode_prompt(self, prompt: str | None, messages=None, tools=None) -> list[int]:
+        if self.prompting is not None and messages:
+            return self.prompting.encode_prompt(messages, tools)
+        return super().encode_prompt(prompt, messages, tools)
+
+    def engine_prompt(self, request: SamplingRequest) -> dict:
+        """What vLLM is given: the token ids, and for a prompt with pictures the pictures, each
+        image's pads collapsed to the one placeholder vLLM's processor expands itself (the worker
+        keeps the expanded ids, which the learner reads). The placeholders are never sampled: a
+        completion holding one would be read as an image slot (the learner suppresses them too)."""
+        if not request.images:
+            return {"prompt_token_ids": list(request.prompt_token_ids)}
+        if self.prompting is None:
+            raise ValueError("this model reads no images (not a vision-language model)")
+        pad = self.prompting.image_token_id
+        ids = [t for i, t in enumerate(request.prompt_token_ids) if t != pad or i == 0 or request.prompt_token_ids[i - 1] != pad]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(request.images)}}
 
     async def start(self) -> None:
         """Start the engine (its core runs in child processes; about 50 s on CPU)."""
@@ -184,6 +210,8 @@ class VLLMEngine(Tokenizing):
             logprobs=0,  # the sampled token's own logprob only
             detokenize=False,
             output_kind=RequestOutputKind.CUMULATIVE,
+            # out of the distribution vLLM samples and reports (processed logprobs), as in the learner's
+            logit_bias={t: -100.0 for t in self.prompting.placeholder_ids} if self.prompting else None,
         )
         if self._swap_lock.locked():  # submitted during a swap: it starts under the new version
             async with self._swap_lock:
@@ -192,7 +220,7 @@ class VLLMEngine(Tokenizing):
         track = self._inflight[rid] = _InFlight(self.version)
         latest: dict[int, object] = {}
         try:
-            async for out in self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, request_id=rid):
+            async for out in self.llm.generate(self.engine_prompt(request), params, request_id=rid):  # type: ignore[arg-type]
                 for o in out.outputs:
                     latest[o.index] = o
                     track.lengths[o.index] = len(o.token_ids)

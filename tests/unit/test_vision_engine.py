@@ -140,3 +140,19 @@ def test_a_training_step_on_image_samples(vlm, store):
     assert any(k.startswith("model.visual") for k in changed)  # the vision tower trains too
     with pytest.raises(ValueError, match="one process"):
         Trainer(engine.model, 0, cfg, ranks=object(), vision=engine.prompting)
+
+
+def test_the_vllm_engine_gets_one_placeholder_per_image_and_the_pictures(vlm, store):
+    from rollout_workers.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(vlm)  # not started: what it would hand vLLM is what is tested (vLLM's vision models need torchvision)
+    assert engine.reads_images
+    task = image_task(store, picture((255, 0, 0)))
+    ids = engine.encode_prompt(None, task.messages)
+    assert ids == VisionPrompting(vlm).encode_prompt(task.messages)  # the ids the rollout keeps, as the learner reads them
+    img = load_image(store, task.images[0])
+    given = engine.engine_prompt(SamplingRequest(ids, images=(img,)))
+    pad = engine.prompting.image_token_id
+    assert given["prompt_token_ids"].count(pad) == 1 and given["multi_modal_data"] == {"image": [img]}
+    assert [t for t in given["prompt_token_ids"] if t != pad] == [t for t in ids if t != pad]
+    assert engine.engine_prompt(SamplingRequest([5, 6])) == {"prompt_token_ids": [5, 6]}
