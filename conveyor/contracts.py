@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from conveyor.keys import image_key
 from conveyor.limits import MAX_ABS_REWARD, MAX_GROUP_SIZE, check_depth
 from conveyor.limits import MAX_DATA_DEPTH as MAX_DATA_DEPTH
 from conveyor.limits import nesting_depth as nesting_depth
@@ -74,9 +75,6 @@ class TextPart(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="t
     text: str
 
 
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
-
-
 class ImagePart(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="type", tag="image"):
     """An image by reference (the claim-check path): its bytes live in the object store under
     ``key`` (content-addressed, ``conveyor.keys.image_key``) and are checked against ``sha256``
@@ -93,6 +91,9 @@ class ImagePart(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="
             raise ValueError("ImagePart.sha256 must be 64 lowercase hex digits")
         if self.width < 1 or self.height < 1:
             raise ValueError("ImagePart width and height must be positive")
+        if self.key != image_key(self.sha256, self.media_type):
+            # the key is the content's: a reference cannot point a worker at another object of the store
+            raise ValueError(f"ImagePart.key {self.key[:80]!r} is not the key of its sha256 and type")
 
 
 ContentPart = TextPart | ImagePart

@@ -108,6 +108,8 @@ def test_image_parts_must_be_well_formed():
         msgspec.convert({"key": "k", "sha256": "xyz", "media_type": "image/png", "width": 1, "height": 1}, ImagePart)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"key": "k", "sha256": "a" * 64, "media_type": "image/gif", "width": 1, "height": 1}, ImagePart)
+    with pytest.raises(msgspec.ValidationError, match="not the key"):
+        msgspec.convert({"key": "images/../x", "sha256": "a" * 64, "media_type": "image/png", "width": 1, "height": 1}, ImagePart)
     with pytest.raises(ValueError, match="empty list"):
         ChatMessage(role="user", content=[])
 
@@ -123,9 +125,11 @@ def test_images_are_stored_once_by_content_and_read_back_verified(store):
     jpeg = io.BytesIO()
     Image.new("RGB", (8, 8), (0, 0, 255)).save(jpeg, format="JPEG")
     assert store_image(store, jpeg.getvalue()).media_type == "image/jpeg"
-    forged = msgspec.structs.replace(a, sha256="0" * 64)
+    store.put(a.key, png((0, 0, 255)))  # the object altered behind the reference
     with pytest.raises(ChecksumMismatch):
-        load_image(store, forged)
+        load_image(store, a)
+    with pytest.raises(ValueError, match="not the key of its sha256"):  # a reference cannot name another object
+        msgspec.structs.replace(a, key="runs/r/weights/v000001/model.safetensors")
 
 
 def test_bad_images_are_refused_with_the_reason():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 from conveyor.contracts import ImagePart, TextPart
-from conveyor.images import ImageKeeper, load_image
+from conveyor.images import ImageKeeper, image_reference, load_image
 from conveyor.objectstore import LocalObjectStore
 from producers.sources import suite_stream
 from tasks.math_answers import judge_math
@@ -63,8 +63,7 @@ def test_each_picture_shows_its_answer():
 
 def test_the_reference_passes_and_the_wrong_answer_fails():
     for i, p in enumerate(visual.problems(per_kind=10)):
-        task = visual.to_task(p, "r", 2, i, put_image=lambda b: ImagePart(
-            key="images/x", sha256="0" * 64, media_type="image/png", width=1, height=1))  # fmt: skip
+        task = visual.to_task(p, "r", 2, i, put_image=image_reference)
         assert judge_math(task, p.reference).verdict == "pass", p.id
         assert judge_math(task, p.wrong).verdict == "fail", p.id
 
