@@ -3,11 +3,11 @@
 ``shard`` wraps every decoder layer and then the root, so parameters,
 gradients and optimizer state are split across ranks and gathered one layer
 at a time. Runs under ``torchrun`` with NCCL on GPUs and with gloo on CPU
-(that is how ``tests/integration/test_fsdp.py`` checks it: 2 CPU processes
-give the same loss and gradients as 1).
+(that is how ``tests/integration/test_learner_ranks.py`` checks it: 2 CPU
+processes give the same loss and gradient norm as 1 at every step).
 
 ``grpo_loss_on_share`` is the learner's loss on a rank's share of a batch
-(sequences ``rank::world``), used by that test and by ``bench/learner_gpu.py``.
+(sequences ``rank::world``), used by ``bench/learner_gpu.py``.
 
 The learner service on several ranks (``conveyor serve learner`` under
 ``torchrun``) uses ``RankGroup``: rank 0 is the learner (it consumes the
