@@ -147,9 +147,9 @@ def prepare(cfg, run_id: str, run_dir: Path, store, rng: random.Random) -> dict:
     eval_engine = VisionReferenceEngine(model_dir, seed=cfg.seed)
     evaluator = VisionEvaluator(eval_engine, pictures, heldout, run_id)
     return {
-        "model": AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32),
+        "model": model,  # the warmed-up weights, as saved: the learner's own copy (the engines loaded theirs)
         "pad_id": prompting.tokenizer.pad_token_id,
-        "vision": VisionPrompting(model_dir),
+        "vision": prompting,
         "engine": engine,
         "eval_engine": eval_engine,
         "evaluator": evaluator,

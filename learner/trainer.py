@@ -231,8 +231,8 @@ class Trainer:
                  model=None) -> list[torch.Tensor]:  # fmt: skip
         """The completion tokens' log-probabilities under the policy (packed or padded; bf16 matmuls
         and fp32 log-softmax on a GPU; with context parallelism, every pack split over the group;
-        a vision-language model's sequences whole, with their ``images``). ``model``: another
-        model than the policy (the KL reference)."""
+        a vision-language model's sequences whole, with their ``images``). ``model``: a vision-language
+        KL reference instead of the policy."""
         device_type = next(self.model.parameters()).device.type
         pack_tokens = self.config.pack_tokens
         context = self.ranks.context if self.ranks is not None and self.ranks.context.size > 1 else None
@@ -240,8 +240,6 @@ class Trainer:
             if self.vision is not None:
                 return vision_logprobs(model or self.model, self.vision, prompts, completions, images, self.pad_id,
                                        entropy, temps, token_entropies)  # fmt: skip
-            if model is not None:
-                return completion_logprobs(model, prompts, completions, self.pad_id, temperatures=temps)
             if pack_tokens:
                 return packed_completion_logprobs(self.model, prompts, completions, pack_tokens=pack_tokens,
                                                   entropy=entropy, temperatures=temps, token_entropies=token_entropies,
@@ -307,7 +305,10 @@ class Trainer:
                         prox_cache.append(prox)
             if cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref = self.logprobs(p, c, t, images=im, model=self.reference)
+                    if self.vision is not None:
+                        ref = self.logprobs(p, c, t, images=im, model=self.reference)
+                    else:
+                        ref = completion_logprobs(self.reference, p, c, self.pad_id, temperatures=t)
             self.model.train()
             ent: list[float] = []
             tok_ents = [] if cfg.entropy_coef > 0 else None  # per-token entropies for the bonus

@@ -15,6 +15,7 @@ on GPU hosts the vLLM engine takes the same prompts with ``multi_modal_data``
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,6 @@ class VisionReferenceEngine(ReferenceEngine):
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
-        import threading
-
         self._lock = threading.Lock()
 
     @property
