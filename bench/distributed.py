@@ -150,8 +150,12 @@ def untrained_versions(rows: list[dict]) -> int:
 
 def run_distributed(work: Path, kafka: dict, s3: dict, redis_url: str, *, seconds: float, rollout_workers: int = 2,
                     reward_workers: int = 2, lr: float | None = None, warmup_steps: int = 800,
-                    metrics_port_base: int | None = None, http_port: int | None = None, hooks=None) -> dict:  # fmt: skip
+                    metrics_port_base: int | None = None, http_port: int | None = None, hooks=None,
+                    min_steps: int = 0, max_seconds: float | None = None) -> dict:  # fmt: skip
     """One run of ``seconds`` of RL; returns its figures (and the run's config and model).
+
+    ``min_steps``: the run goes on past ``seconds`` until the learner has logged that many steps
+    (on a loaded machine the roles start and step slower), for at most ``max_seconds`` in all.
 
     ``metrics_port_base``: every role serves Prometheus metrics from that port on; ``http_port``:
     the producer's HTTP API; ``hooks``: an object whose ``started(supervisor, run_id)`` is called
@@ -174,7 +178,17 @@ def run_distributed(work: Path, kafka: dict, s3: dict, redis_url: str, *, second
     try:
         if hooks is not None:
             hooks.started(sup, run_id)
-        while time.monotonic() - started < seconds:
+        steps_log = work / run_id / "metrics.jsonl"
+        limit = max_seconds if max_seconds is not None else seconds * 5
+
+        def going_on() -> bool:
+            elapsed = time.monotonic() - started
+            if elapsed < seconds:
+                return True
+            steps = len(steps_log.read_text().splitlines()) if steps_log.exists() else 0
+            return steps < min_steps and elapsed < limit
+
+        while going_on():
             sup.tick()
             if hooks is not None:
                 hooks.tick(time.monotonic() - started)

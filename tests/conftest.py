@@ -18,11 +18,47 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))
 
 
+# The suite runs on parallel workers (README's test command: pytest-xdist, `-n 4`). Most of an
+# integration test's time is spent waiting on services, which is why more workers than cores
+# pay off; the modules that train or serve models for minutes are the exception. Those run in
+# two lanes, each lane one worker's queue, one module after another, so that at most two of them
+# compete for the two cores and their learning runs keep the pace their margins were set at.
+# Every other module is a group of its own (its module-scoped fixtures start once) and goes to
+# whichever worker is free. The lanes are handed out first, the longest modules first in each,
+# then the unit tier's small modules (a worker holds its next group while it runs one: behind a
+# lane that should be a short one).
+CPU_LANES = {
+    "cpu-lane-a": (
+        "integration/test_your_model_your_data.py",
+        "integration/test_distributed_learning.py",
+        "integration/test_vision_demo.py",
+        "integration/test_learner_ranks.py",
+        "integration/test_context_parallel.py",
+    ),
+    "cpu-lane-b": (
+        "integration/test_vllm_engine.py",
+        "chaos/test_distributed_chaos.py",
+        "chaos/test_learner_resume.py",
+        "integration/test_demo.py",
+        "integration/test_judge.py",
+        "integration/test_long_context.py",
+    ),
+}
+LANE_OF = {path: (lane, i) for lane, paths in CPU_LANES.items() for i, path in enumerate(paths)}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        tier = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
+    def place(item) -> tuple[int, int]:
+        path = Path(str(item.fspath)).relative_to(ROOT / "tests").as_posix()
+        lane, order = LANE_OF.get(path, (path, 0))
+        item.add_marker(pytest.mark.xdist_group(lane))
+        tier = path.split("/")[0]
         if tier in ("unit", "integration", "chaos"):
             item.add_marker(getattr(pytest.mark, tier))
+        return (0 if lane in CPU_LANES else 1 if tier == "unit" else 2, order)
+
+    items.sort(key=place)  # stable: within a module, and for every other module, the collection order
 
 
 def service_unavailable(reason: str):

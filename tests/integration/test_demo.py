@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import open_sandbox
 
+# The run is the first test's setup: its time counts against that test, beside other workers' tests.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):

@@ -36,12 +36,27 @@ def sandbox(request, tmp_path_factory):
 
 
 def _host_state():
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    procs = sorted(line for line in ps.splitlines() if "/harness.py" in line or "conveyor-marker" in line)
+    """This process's share of the host: the suite runs on parallel workers, each with sandboxes
+    of its own. A sandbox process counts if it descends from this process or has lost its parent
+    (one that escaped would be reparented: whose it was cannot be told, so every test sees it);
+    a cgroup counts if its owner (the pid in its name) is this process, a descendant, or gone."""
+    import psutil
+
+    me = psutil.Process()
+    mine = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    procs = []
+    for proc in psutil.process_iter(["cmdline", "ppid"]):
+        args = " ".join(proc.info["cmdline"] or [])
+        if ("/harness.py" in args or "conveyor-marker" in args) and (proc.pid in mine or proc.info["ppid"] == 1):
+            procs.append(args)
     with open("/proc/self/mountinfo") as fh:
         mounts = len(fh.read().splitlines())
-    cgroups = glob.glob("/sys/fs/cgroup/**/conveyor-sbx-*", recursive=True)
-    return procs, mounts, cgroups
+    cgroups = []
+    for path in glob.glob("/sys/fs/cgroup/**/conveyor-sbx-*", recursive=True):
+        owner = int(path.rsplit("conveyor-sbx-", 1)[1].split("-")[0])
+        if owner in mine or not psutil.pid_exists(owner):
+            cgroups.append(path)
+    return sorted(procs), mounts, sorted(cgroups)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import service_unavailable
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+# the engines' start is the first test's setup
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
 ALPHABET = "abcdefghij0123456789 ()+-*=:\n"
 
