@@ -82,7 +82,7 @@ async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: Sam
     """The group's episodes; each result pairs the spliced completion with its episode record.
     With a ``sandbox`` and a ``terminal`` task, turns are tool calls in a persistent workspace
     (tasks/terminal_tools.py); an ``environment`` task's turns step its environment
-    (tasks/environments.py); otherwise each attempt is judged and its feedback fed back.
+    (tasks/environments.py; a machine environment's workspace runs on ``sandbox``); otherwise each attempt is judged and its feedback fed back.
     ``stop_texts``: stop strings of several tokens (``engine.stop_rules``), which end every
     attempt, as they end a single-turn completion (one-token ones are in ``first``'s stop ids)."""
     tool_mode = sandbox is not None and task.verifier.kind == "terminal"
@@ -96,7 +96,7 @@ async def run_episodes(engine, scorer, task: Task, prompt: list[int], first: Sam
         from tasks.environments import Session
 
         try:
-            sessions = await asyncio.to_thread(lambda: [Session(task) for _ in range(first.n)])
+            sessions = await asyncio.to_thread(lambda: [Session(task, sandbox) for _ in range(first.n)])
         except Exception as exc:  # noqa: BLE001 - unknown, or its reset fails: this task cannot be served
             raise TaskRefused(
                 f"environment {task.verifier.data.get('environment')!r}: {type(exc).__name__}: {exc}"[:500]

@@ -416,10 +416,12 @@ class RolloutWorker:
             request_id=f"{task.task_id}/{task.attempt}/{self.worker_id}",
         )
         tools = self.tool_sandbox is not None and task.verifier.kind == "terminal"
-        if task.max_turns > 1 and (self.scorer is not None or tools or task.verifier.kind == "environment"):
+        environment = task.verifier.kind == "environment"  # a machine environment's runs on the tool sandbox
+        if task.max_turns > 1 and (self.scorer is not None or tools or environment):
             results = await run_episodes(self.engine, self.scorer, task, prompt, request,
                                          max_context_tokens=self.max_context_tokens, episode_id=request.request_id,
-                                         sandbox=self.tool_sandbox if tools else None, stop_texts=stop_texts)  # fmt: skip
+                                         sandbox=self.tool_sandbox if tools or environment else None,
+                                         stop_texts=stop_texts)  # fmt: skip
             finished = time.time()
             return [self._rollout(task, prompt, i, c, started, finished, e.loss_mask, e.turns)
                     for i, (c, e) in enumerate(results)]  # fmt: skip

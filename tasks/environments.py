@@ -12,9 +12,17 @@ read by every role at start), by an installed package's entry point in the group
 ``step(action) -> Step``
     ``action`` is the model's turn as text. ``Step(observation, reward, done, info)``: the
     observation is the model's next tool turn (framed by its chat template); ``done`` ends the
-    episode; ``reward`` is the episode's reward so far (the last one given counts).
+    episode; ``reward`` is the episode's reward so far (the last one given counts); ``failed``
+    (machine environments) rolls the workspace back to where the step began.
 ``close()``
     Optional: release what ``reset`` took.
+
+An environment that needs a computer sets the class attribute ``machine = True``: its ``reset`` is
+then called as ``reset(task, machine)`` with the episode's :class:`tasks.machine.Machine`, a
+workspace in the bubblewrap sandbox built from the task's ``data.image`` / ``data.files`` that
+persists across the episode's steps (``machine.run(command)``). The workspace is snapshotted
+before each step and restored when the step returns ``Step(..., failed=True)`` or raises: a step
+that went wrong changes nothing. Where no sandbox can run, its tasks are refused.
 
 A task uses one with ``verifier: {kind: environment, data: {environment: NAME, ...}}`` and
 ``max_turns`` > 1. The rollout worker drives the episode (its process runs the environment, trusted
@@ -47,11 +55,61 @@ class Step:
     reward: float | None = None
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    failed: bool = False  # a machine environment's workspace goes back to where the step began
 
 
 class Environment(Protocol):
     def reset(self, task: Task) -> str | None: ...
     def step(self, action: str) -> Step: ...
+
+
+class NeedsMachine(RuntimeError):
+    """A machine environment where no sandbox runs."""
+
+
+class Episode:
+    """One episode of an environment: made, reset and stepped the same way in the rollout worker
+    (which drives it) and in the reward service (which replays it), so both see the same states."""
+
+    def __init__(self, task: Task, sandbox=None) -> None:
+        name = task.verifier.data.get("environment")
+        if not isinstance(name, str):
+            raise RegistryError(f"task {task.task_id}: environment verifier needs data.environment")
+        self.name = name
+        self.env = make(name)
+        self.machine = None
+        try:
+            if getattr(self.env, "machine", False):
+                if sandbox is None:
+                    raise NeedsMachine(f"environment {name!r} needs a machine and no sandbox runs here")
+                from tasks.machine import Machine
+
+                self.machine = Machine(sandbox, task)
+                self.env.reset(task, self.machine)  # type: ignore[call-arg]
+            else:
+                self.env.reset(task)
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, action: str) -> Step:
+        snap = self.machine.snapshot() if self.machine is not None else None
+        try:
+            step = self.env.step(action)
+        except BaseException:
+            if snap is not None:
+                self.machine.restore(snap)  # type: ignore[union-attr]
+            raise
+        if snap is not None and step.failed:
+            self.machine.restore(snap)  # type: ignore[union-attr]
+        return step
+
+    def close(self) -> None:
+        try:
+            close(self.env)
+        finally:
+            if self.machine is not None:
+                self.machine.close()
 
 
 # Built in, registered as users' are (imported when first used): tasks/cad.py.
@@ -109,6 +167,21 @@ def make(name: str) -> Environment:
     return factory()
 
 
+def needs_machine(task: Task) -> bool:
+    """Whether ``task``'s environment is a machine environment (its class says ``machine = True``);
+    False for anything else, an unknown name included (its replay says why it cannot run)."""
+    name = task.verifier.data.get("environment") if task.verifier.kind == "environment" else None
+    if not isinstance(name, str) or name not in known():
+        return False
+    factory = _factories[name]
+    if isinstance(factory, str):
+        try:
+            factory = _factories[name] = _import(factory, name)
+        except RegistryError:
+            return False
+    return bool(getattr(factory, "machine", False))
+
+
 def close(env: Environment) -> None:
     closer = getattr(env, "close", None)
     if callable(closer):
@@ -124,20 +197,16 @@ def actions_of(judged: str) -> list[str]:
     return actions if isinstance(actions, list) and all(isinstance(a, str) for a in actions) else [judged]
 
 
-def replay(task: Task, actions: list[str]) -> Verdict:
-    """The episode's verdict: its actions stepped through a fresh instance, the last reward given."""
+def replay(task: Task, actions: list[str], sandbox=None) -> Verdict:
+    """The episode's verdict: its actions stepped through a fresh instance, the last reward given.
+    ``sandbox``: where a machine environment's fresh machine runs (None: such a task is an error)."""
     name = task.verifier.data.get("environment")
-    if not isinstance(name, str):
-        return Verdict(
-            0.0, "error", Feedback(message=f"bad task: task {task.task_id}: environment verifier needs data.environment")
-        )
-    env = None
+    episode = None
     reward: float | None = None
     try:
-        env = make(name)
-        env.reset(task)
+        episode = Episode(task, sandbox)
         for action in actions:
-            step = env.step(action)
+            step = episode.step(action)
             if step.reward is not None:
                 reward = step.reward
             if step.done:
@@ -147,9 +216,9 @@ def replay(task: Task, actions: list[str]) -> Verdict:
     except Exception as exc:  # noqa: BLE001 - a user's environment fails in any way; the service carries on
         return Verdict(0.0, "error", Feedback(message=f"environment {name}: raised {type(exc).__name__}: {exc}"[:500]))
     finally:
-        if env is not None:
+        if episode is not None:
             try:
-                close(env)
+                episode.close()
             except Exception:  # noqa: BLE001 - the verdict stands; the environment leaked at worst
                 pass
     if reward is None:
@@ -163,9 +232,8 @@ def replay(task: Task, actions: list[str]) -> Verdict:
 class Session:
     """One episode in the rollout worker: the environment stepped with the model's turns."""
 
-    def __init__(self, task: Task) -> None:
-        self.env = make(task.verifier.data["environment"])
-        self.env.reset(task)
+    def __init__(self, task: Task, sandbox=None) -> None:
+        self.episode = Episode(task, sandbox)
         self.done = False
 
     def step(self, action: str) -> str | None:
@@ -174,7 +242,7 @@ class Session:
         if self.done:
             return None
         try:
-            step = self.env.step(action)
+            step = self.episode.step(action)
         except Exception:  # noqa: BLE001 - the episode ends; its replay scores it error with the reason
             self.done = True
             return None
@@ -182,4 +250,4 @@ class Session:
         return None if step.done else step.observation
 
     def close(self) -> None:
-        close(self.env)
+        self.episode.close()

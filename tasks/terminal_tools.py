@@ -29,7 +29,8 @@ from conveyor.contracts import Task, ToolCall
 from sandbox import tempdirs
 from sandbox.runner import Job, Sandbox
 from sandbox.workspace import Workspace
-from tasks.verifiers import code_of, terminal_base
+from tasks.machine import workspace_base
+from tasks.verifiers import code_of
 
 OUTPUT_TAIL = 400
 DONE = {"", "done", "exit"}
@@ -63,7 +64,7 @@ class ToolEpisode:
     def __init__(self, sandbox: Sandbox, task: Task) -> None:
         self.sandbox = sandbox
         self._tmp = tempdirs.temporary("tool")
-        base = terminal_base(task, Path(self._tmp.name), sandbox.image_roots)
+        base = workspace_base(task, Path(self._tmp.name), sandbox.image_roots)
         self.workspace = Workspace(base, root=Path(self._tmp.name) / "ws")
         self.kept: list[str] = []
 

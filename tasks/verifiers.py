@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,13 +51,13 @@ from typing import Any
 
 from conveyor.contracts import Feedback, Task
 from sandbox import tempdirs
-from sandbox.images import ImageNotAllowed, resolve_image
 from sandbox.runner import ExecResult, Job, Sandbox
 from sandbox.workspace import Workspace
 from tasks import registry
 from tasks.environments import actions_of, replay
 from tasks.function_tools import parse_call, schema_error, tools_of, values_match
 from tasks.judge import judge_verdicts
+from tasks.machine import workspace_base
 from tasks.math_answers import judge_math
 from tasks.verdict import Verdict, VerifierError
 
@@ -171,37 +170,12 @@ def _python_tests_job(task: Task, completion: str) -> Job:
     return Job(code, tests=data["tests"], test_style=data.get("style", "assert"))
 
 
-def terminal_base(task: Task, tmp: Path, image_roots: Sequence[str] = ()) -> Path:
-    """The workspace's base tree; an ``image`` must lie inside ``image_roots`` (``sandbox/images.py``)."""
-    data = task.verifier.data
-    image, files = data.get("image"), data.get("files") or {}
-    if image:
-        try:
-            image = resolve_image(image, image_roots)
-        except ImageNotAllowed as exc:
-            raise VerifierError(f"task {task.task_id}: {exc}") from None
-    if image and not files:
-        return image  # read-only lower layer: never copied, never written
-    base = tmp / "base"
-    if image:
-        shutil.copytree(image, base, symlinks=True)
-    else:
-        base.mkdir()
-    for rel, content in files.items():
-        path = (base / rel).resolve()
-        if not str(path).startswith(str(base.resolve()) + "/"):
-            raise VerifierError(f"task {task.task_id}: file {rel!r} is outside the workspace")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-    return base
-
-
 def _terminal(sandbox: Sandbox, task: Task, completion: str) -> Verdict:
     data = task.verifier.data
     if not isinstance(data.get("checks"), str):
         raise VerifierError(f"task {task.task_id}: terminal needs data.checks (source)")
     with tempdirs.temporary("term") as tmp:
-        base = terminal_base(task, Path(tmp), sandbox.image_roots)
+        base = workspace_base(task, Path(tmp), sandbox.image_roots)
         with Workspace(base, root=Path(tmp) / "ws") as ws:
             script = code_of(completion)
             commands, checks = sandbox.run(
@@ -365,7 +339,7 @@ def score_batch(
             elif kind == "judge":
                 judged.append(i)
             elif kind == "environment":
-                out[i] = replay(task, actions_of(completion))
+                out[i] = replay(task, actions_of(completion), sandbox)
             else:
                 try:
                     registry.get(kind)
