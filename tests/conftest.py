@@ -40,11 +40,18 @@ CPU_LANES = {
         "chaos/test_distributed_chaos.py",
         "chaos/test_learner_resume.py",
         "integration/test_demo.py",
-        "integration/test_judge.py",
-        "integration/test_long_context.py",
     ),
 }
 LANE_OF = {path: (lane, i) for lane, paths in CPU_LANES.items() for i, path in enumerate(paths)}
+
+
+def pytest_configure(config):
+    """On a parallel worker, one OpenMP thread per process (its children inherit it: the roles,
+    torchrun's ranks, the CLI): with every core busy, torch's intra-op threads wait on each other
+    at every op, and a 2-thread training loop beside three other workers ran ten times slower."""
+    if hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
