@@ -63,7 +63,7 @@ def _host_state():
 def host_unaffected(sandbox):  # after the sandbox is up; before it is closed
     before = _host_state()
     yield
-    for _ in range(20):  # a killed tree takes a moment to be reaped
+    for _ in range(100):  # a killed tree takes a moment to be reaped (longer beside other workers' tests)
         after = _host_state()
         if after == before:
             break
