@@ -216,13 +216,13 @@ async def test_abort_ends_a_request(served):
     engine, _, tokenizer = served
     # Greedy: this prompt's greedy completion has no EOS in 120 tokens (sampled ones may end "stop"
     # before the abort lands on a busy machine), so only the abort can end it early.
-    req = SamplingRequest(_prompts(tokenizer, 1)[0], n=2, max_tokens=120, greedy=True, stop_token_ids=frozenset())
+    req = SamplingRequest(_prompts(tokenizer, 1)[0], n=1, max_tokens=120, greedy=True, stop_token_ids=frozenset())
     task = asyncio.create_task(engine.generate(req))
-    while req.request_id not in engine._inflight:
+    while req.request_id not in engine._inflight and not task.done():
         await asyncio.sleep(0.005)
     await engine.abort(req.request_id)
     out = await asyncio.wait_for(task, 30)
-    assert len(out) == 2 and all(c.finish_reason == "abort" and len(c.token_ids) < 120 for c in out), out
+    assert len(out) == 1 and out[0].finish_reason == "abort" and len(out[0].token_ids) < 120, out
 
 
 async def test_ngram_speculative_decoding_keeps_greedy_output(engines):
