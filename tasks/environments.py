@@ -158,28 +158,27 @@ def problem(name: object) -> str | None:
     return None
 
 
-def make(name: str) -> Environment:
+def _factory(name: str) -> Callable[[], Environment]:
     if name not in known():
         raise RegistryError(f"unknown environment {name!r}; known: {', '.join(known()) or 'none registered'}")
     factory = _factories[name]
     if isinstance(factory, str):  # an entry point, imported when first used
         factory = _factories[name] = _import(factory, name)
-    return factory()
+    return factory
+
+
+def make(name: str) -> Environment:
+    return _factory(name)()
 
 
 def needs_machine(task: Task) -> bool:
     """Whether ``task``'s environment is a machine environment (its class says ``machine = True``);
     False for anything else, an unknown name included (its replay says why it cannot run)."""
     name = task.verifier.data.get("environment") if task.verifier.kind == "environment" else None
-    if not isinstance(name, str) or name not in known():
+    try:
+        return isinstance(name, str) and bool(getattr(_factory(name), "machine", False))
+    except RegistryError:
         return False
-    factory = _factories[name]
-    if isinstance(factory, str):
-        try:
-            factory = _factories[name] = _import(factory, name)
-        except RegistryError:
-            return False
-    return bool(getattr(factory, "machine", False))
 
 
 def close(env: Environment) -> None:

@@ -85,9 +85,11 @@ class Machine:
             self._tmp.cleanup()
             raise
 
-    def run(self, command: str) -> CommandResult:
-        """``command`` under ``/bin/sh -c`` with ``/workspace`` as the episode left it."""
-        (res,) = self.sandbox.run([Job(kind="command", argv=("/bin/sh", "-c", command))], self.workspace)
+    def run(self, command: str, *, errexit: bool = False) -> CommandResult:
+        """``command`` under ``/bin/sh -c`` (``-e`` with ``errexit``) with ``/workspace`` as the
+        episode left it."""
+        shell = ("/bin/sh", "-e", "-c") if errexit else ("/bin/sh", "-c")
+        (res,) = self.sandbox.run([Job(kind="command", argv=(*shell, command))], self.workspace)
         return CommandResult(res.exit_code, res.stdout, res.stderr, str(res.verdict))
 
     def snapshot(self) -> str:

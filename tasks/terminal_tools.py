@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import json
 import shlex
-from pathlib import Path
 
 from conveyor.contracts import Task, ToolCall
-from sandbox import tempdirs
-from sandbox.runner import Job, Sandbox
-from sandbox.workspace import Workspace
-from tasks.machine import workspace_base
+from sandbox.runner import Sandbox
+from tasks.machine import Machine
 from tasks.verifiers import code_of
 
 OUTPUT_TAIL = 400
@@ -59,34 +56,30 @@ def as_command(call: ToolCall) -> str:
 
 
 class ToolEpisode:
-    """One episode's workspace: run calls, snapshot before each, roll back failures."""
+    """One episode's workspace (a :class:`tasks.machine.Machine`): run calls, snapshot before
+    each, roll back failures."""
 
     def __init__(self, sandbox: Sandbox, task: Task) -> None:
-        self.sandbox = sandbox
-        self._tmp = tempdirs.temporary("tool")
-        base = workspace_base(task, Path(self._tmp.name), sandbox.image_roots)
-        self.workspace = Workspace(base, root=Path(self._tmp.name) / "ws")
+        self.machine = Machine(sandbox, task)
         self.kept: list[str] = []
 
     def call(self, call: ToolCall) -> tuple[str, bool]:
         """Run ``call``; return (observation text, kept)."""
         command = as_command(call)
-        snap = self.workspace.snapshot()
-        (result,) = self.sandbox.run([Job(kind="command", argv=("/bin/sh", "-e", "-c", command))], self.workspace)
-        ok = result.exit_code == 0 and result.verdict not in ("timeout", "memory", "output_limit", "infra")
-        if ok:
+        snap = self.machine.snapshot()
+        result = self.machine.run(command, errexit=True)
+        if result.ok:
             self.kept.append(command)
         else:
-            self.workspace.restore(snap)
+            self.machine.restore(snap)
         lines = [f"[exit {result.exit_code if result.exit_code is not None else result.verdict}]"]
         if result.stdout:
             lines.append(result.stdout[-OUTPUT_TAIL:].rstrip("\n"))
         if result.stderr:
             lines.append(result.stderr[-OUTPUT_TAIL:].rstrip("\n"))
-        if not ok:
+        if not result.ok:
             lines.append("[rolled back]")
-        return "\n" + "\n".join(lines) + "\n", ok
+        return "\n" + "\n".join(lines) + "\n", result.ok
 
     def close(self) -> None:
-        self.workspace.close()
-        self._tmp.cleanup()
+        self.machine.close()
