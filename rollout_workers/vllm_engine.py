@@ -61,6 +61,9 @@ class _InFlight:
     """Tokens received so far per sample index."""
     boundaries: list[tuple[dict[int, int], int]] = field(default_factory=list)
     """(lengths at a swap, the version that took over)."""
+    aborted: bool = False
+    """``abort`` was called: vLLM ignores the abort of a request it has not registered yet (its
+    ``generate`` awaits before registering), so the stream aborts again at its first output."""
 
 
 def engine_args(args: dict):
@@ -219,16 +222,22 @@ class VLLMEngine(Tokenizing):
         rid = request.request_id or uuid.uuid4().hex
         track = self._inflight[rid] = _InFlight(self.version)
         latest: dict[int, object] = {}
+        resent = False
         try:
             async for out in self.llm.generate(self.engine_prompt(request), params, request_id=rid):  # type: ignore[arg-type]
                 for o in out.outputs:
                     latest[o.index] = o
                     track.lengths[o.index] = len(o.token_ids)
+                if track.aborted and not resent and not out.finished:
+                    resent = True
+                    await self.llm.abort(rid)
         finally:
             self._inflight.pop(rid, None)
         return [_completion(latest.get(i), track) for i in range(request.n)]
 
     async def abort(self, request_id: str) -> None:
+        if (track := self._inflight.get(request_id)) is not None:
+            track.aborted = True
         if self.llm is not None:
             await self.llm.abort(request_id)
 

@@ -211,16 +211,23 @@ async def test_weights_that_do_not_fit_are_refused(served):
 
 
 async def test_abort_ends_a_request(served):
+    """An abort ends a request in flight, even one vLLM has not registered yet: its ``generate``
+    awaits before registering a request, and vLLM drops the abort of an id it does not know."""
     from rollout_workers.engine import SamplingRequest
 
     engine, _, tokenizer = served
-    # Greedy: this prompt's greedy completion has no EOS in 120 tokens (sampled ones may end "stop"
-    # before the abort lands on a busy machine), so only the abort can end it early.
+    # Greedy: this prompt's greedy completion has no EOS in 120 tokens, so only the abort can end it
+    # early. The scheduler is paused (requests kept) while the request is submitted and aborted, so
+    # a busy machine cannot let it run to its end before the abort lands.
     req = SamplingRequest(_prompts(tokenizer, 1)[0], n=1, max_tokens=120, greedy=True, stop_token_ids=frozenset())
-    task = asyncio.create_task(engine.generate(req))
-    while req.request_id not in engine._inflight and not task.done():
-        await asyncio.sleep(0.005)
-    await engine.abort(req.request_id)
+    await engine.llm.pause_generation(mode="keep", clear_cache=False)
+    try:
+        task = asyncio.create_task(engine.generate(req))
+        while req.request_id not in engine._inflight and not task.done():
+            await asyncio.sleep(0.001)
+        await engine.abort(req.request_id)
+    finally:
+        await engine.llm.resume_generation()
     out = await asyncio.wait_for(task, 30)
     assert len(out) == 1 and out[0].finish_reason == "abort" and len(out[0].token_ids) < 120, out
 
