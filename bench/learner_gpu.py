@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=2048, help="tokens per log-prob chunk")
     ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2", "flex_attention"],
+                    help="the learner's attention kernel (flex_attention and flash_attention_2: GPU only)")  # fmt: skip
     args = ap.parse_args()
 
     import torch
@@ -76,7 +78,7 @@ def main() -> None:
                           num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
                           rms_norm_eps=1e-6)  # fmt: skip
         torch.backends.cuda.matmul.allow_tf32 = True
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "sdpa" if args.smoke else args.attn  # no FlexAttention backward on CPU
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
     if not args.no_checkpointing:

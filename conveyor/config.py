@@ -218,11 +218,13 @@ class LearnerConfig(_Section):
     pack_tokens: int = Field(4096, ge=0)
     """Sequences are packed (no padding) into packs of this many tokens; 0: pad instead."""
     activation_checkpointing: bool = False
-    attn_implementation: Literal["sdpa", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
     """The attention kernel the learner's model uses. flash_attention_2 (the flash-attn extra, a CUDA GPU)
     takes packed sequences through its varlen kernel: memory linear in the pack, but a group's prompt is
-    laid down once per sample (learner/packing.py). Checked at start. Not eager: it adds a pack's boolean
-    mask to the scores instead of applying it (its packed log-probs came out wrong)."""
+    laid down once per sample (learner/packing.py). flex_attention (PyTorch's FlexAttention) takes each
+    pack's tree as a block-sparse mask: a group's prompt once, fully masked blocks skipped when compiled
+    on a GPU (it trains on a CUDA GPU only: PyTorch has no FlexAttention backward on CPU). Checked at start. Not eager: it adds a pack's boolean mask to the scores instead of
+    applying it (its packed log-probs came out wrong)."""
     context_parallel: int = Field(1, ge=1)
     """Ranks each packed sequence is split across (ring attention, learner/context_parallel.py): packs
     of pack_tokens tokens with 1/context_parallel of their activations per rank. Must divide the ranks."""

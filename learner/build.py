@@ -91,6 +91,9 @@ def check_attn_implementation(name: str) -> None:
                               "(pip install -e '.[flash-attn]'); sdpa needs nothing")  # fmt: skip
         if not torch.cuda.is_available():
             raise ConfigError("learner.attn_implementation: flash_attention_2 runs on a CUDA GPU only; sdpa runs anywhere")
+    if name == "flex_attention" and not torch.cuda.is_available():
+        raise ConfigError("learner.attn_implementation: flex_attention trains on a CUDA GPU only (PyTorch has no "
+                          "FlexAttention backward on CPU); sdpa runs anywhere")  # fmt: skip
 
 
 def admission_bound(cfg: RunConfig) -> int:

@@ -16,7 +16,13 @@ tokens. Attention must not cross sequences:
 - with flash-attn installed (``attn_implementation="flash_attention_2"``),
   transformers detects the restarting position ids and calls the varlen
   kernel (memory linear in the pack), which cannot express the tree: every
-  sequence is laid down whole, prompt included.
+  sequence is laid down whole, prompt included;
+- with FlexAttention (``attn_implementation="flex_attention"``), the same
+  rule as the boolean mask is a ``mask_mod`` over the pack's unit and
+  branch ids, compiled into a block-sparse ``BlockMask``: the tree is kept,
+  and under ``torch.compile`` on a GPU fully masked blocks are skipped and no
+  ``pack_tokens²`` mask is materialised (eager, as on CPU, it computes the
+  full scores: correct, not lighter).
 
 Log-probs without full-vocabulary logits for every token at once: the
 model's trunk gives hidden states; the LM head, log-softmax and gather run
@@ -61,6 +67,18 @@ class Pack:
         allowed = (unit[:, None] == unit[None, :]) & (idx[None, :] <= idx[:, None])
         allowed &= (branch[None, :] == 0) | (branch[None, :] == branch[:, None])
         return allowed[None, None]
+
+    def block_mask(self, device):
+        """The same rule as :meth:`attention_mask`, as FlexAttention's block-sparse ``BlockMask``
+        (for every pack: a single sequence is plain causal)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        unit, branch = self.unit_ids.to(device), self.branch_ids.to(device)
+
+        def allowed(b, h, q, kv):
+            return (unit[q] == unit[kv]) & (kv <= q) & ((branch[kv] == 0) | (branch[kv] == branch[q]))
+
+        return create_block_mask(allowed, B=None, H=None, Q_LEN=self.tokens, KV_LEN=self.tokens, device=device)
 
 
 def pack_sequences(
@@ -122,6 +140,10 @@ def pack_sequences(
                 branch_ids.extend([b] * len(c))
         out.append(Pack(torch.tensor([ids]), torch.tensor([pos]), spans, torch.tensor(unit_ids), torch.tensor(branch_ids)))
     return out
+
+
+def uses_flex_attention(model) -> bool:
+    return getattr(getattr(model, "config", None), "_attn_implementation", "") == "flex_attention"
 
 
 def shares_prompts(model) -> bool:
@@ -221,7 +243,7 @@ def packed_completion_logprobs(
     check_prompts(prompts, completions)
     ents: list[torch.Tensor] = []
     runner = model if isinstance(model, LogprobHead) else LogprobHead(model)
-    flash = not shares_prompts(runner)
+    flash, flex = not shares_prompts(runner), uses_flex_attention(runner)
     if flash and share_prompts:
         raise ValueError("share_prompts: flash-attn's varlen kernel cannot take a shared prompt (a tree)")
     share = not flash if share_prompts is None else share_prompts
@@ -230,7 +252,10 @@ def packed_completion_logprobs(
     seq_ents: list[torch.Tensor | None] = [None] * len(prompts)
     for pack in pack_sequences(prompts, completions, pack_tokens, share_prompts=share):
         # flash-attn: sequences from the position ids; ring attention: masks computed tile by tile
-        mask = None if flash or context is not None else pack.attention_mask()
+        if flex and context is None:
+            mask = pack.block_mask(device)
+        else:
+            mask = None if flash or context is not None else pack.attention_mask()
         # Completion token 0 is predicted from the prompt's last position, token j from token j-1.
         rows, targets, scales = [], [], []
         for i, ps, plen, cs, k in pack.spans:
@@ -250,7 +275,7 @@ def packed_completion_logprobs(
             if stats is not None:
                 stats["cp_pad_tokens"] = stats.get("cp_pad_tokens", 0) + padding
         else:
-            lp = runner(to(pack.input_ids), to(pack.position_ids), None if mask is None else to(mask), to(torch.cat(rows)),
+            lp = runner(to(pack.input_ids), to(pack.position_ids), mask if flex or mask is None else to(mask), to(torch.cat(rows)),
                         to(torch.cat(targets)), chunk_tokens, ents, scale, token_entropies is not None)  # fmt: skip
         pack_ents = ents[before] if len(ents) > before else lp.new_zeros(0)  # none if the pack has no completion token
         offset = 0

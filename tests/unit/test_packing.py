@@ -7,7 +7,7 @@ import torch
 
 from learner import grpo
 from learner.grpo import completion_logprobs
-from learner.packing import pack_sequences, packed_completion_logprobs
+from learner.packing import pack_sequences, packed_completion_logprobs, shares_prompts
 
 PROMPTS = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13, 14], [5]]
 COMPLETIONS = [[5, 6, 7], [8, 9, 10, 11], [12], [6, 7, 8, 9, 10]]
@@ -83,6 +83,25 @@ def test_values_and_gradients_match_the_padded_computation(model, pack_tokens, p
         assert torch.allclose(p.grad, ref_grads[n], atol=1e-5), n
 
 
+@pytest.mark.parametrize("pack_tokens", [64, 8])
+def test_flex_attention_takes_the_tree_and_matches_the_padded_computation(model, pack_tokens):
+    """FlexAttention's block mask is the boolean mask's rule: shared prompts laid down once, values
+    equal to every sequence run whole (sdpa, padded). Values only: PyTorch has no FlexAttention
+    backward on CPU (training with it needs a CUDA GPU, checked at start)."""
+    m, pad = model
+    with torch.no_grad():
+        ref = grpo.whole_sequence_logprobs(m, SHARED_PROMPTS, SHARED_COMPLETIONS, pad, None, None)
+        m.set_attn_implementation("flex_attention")
+        try:
+            assert shares_prompts(m)  # the packs hold a tree: each repeated prompt once
+            got = packed_completion_logprobs(m, SHARED_PROMPTS, SHARED_COMPLETIONS, pack_tokens=pack_tokens, chunk_tokens=3)
+        finally:
+            m.set_attn_implementation("sdpa")
+    assert [len(x) for x in got] == [len(c) for c in SHARED_COMPLETIONS]
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_tempered_logprobs_match_between_paths_and_the_definition(model):
     m, pad = model
     temps = [0.5, 1.0, 1.7][: len(PROMPTS)] + [0.8] * max(0, len(PROMPTS) - 3)
@@ -121,6 +140,8 @@ def test_the_configured_attention_kernel_is_the_models_and_one_that_cannot_run_i
     create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
     policy, _ = load_policy(tmp_path / "m", RunConfig(learner={"attn_implementation": "sdpa"}))
     assert policy.config._attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="learner.attn_implementation: flex_attention"):
+        load_policy(tmp_path / "m", RunConfig(learner={"attn_implementation": "flex_attention"}))
     with pytest.raises(ConfigError, match="learner.attn_implementation: flash_attention_2"):
         load_policy(tmp_path / "m", RunConfig(learner={"attn_implementation": "flash_attention_2"}))
     with pytest.raises(ValidationError, match="attn_implementation"):
