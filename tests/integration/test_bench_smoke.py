@@ -16,6 +16,11 @@ def test_learner_gpu_bench_smoke():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FIGURE learner_tokens_per_s" in res.stdout
     assert "FIGURE cp_gpu_memory_per_rank_ratio pending" in res.stdout  # its context-parallel case: no GPUs here
+    # The one-call GPU script runs it per case and collects the figures (here the CPU's one case).
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "| sdpa | 512 |" in res.stdout and "FIGURE learner_tokens_per_s " in res.stdout
+    assert "FIGURE learner_tokens_per_s pending" not in res.stdout
 
 
 def test_packed_prompts_bench_smoke():
