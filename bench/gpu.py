@@ -10,6 +10,10 @@ case that fails is listed with its last line, and the others still run.
     python bench/gpu.py                  # on one H100/H200: ~5-7 minutes
     python bench/gpu.py --smoke          # on CPU: the plumbing, with learner_gpu.py's tiny shape
 
+On a machine with torch and transformers but not this project's other dependencies (the lent
+GPU machines' image), ``bench/gpu_wheels.sh`` fetches the few wheels the learner's modules import
+(pydantic, msgspec, ...) and prints the command that installs them there and runs this script.
+
 Prints one table of tokens/s, MFU and peak GiB per case, then the figures of record:
 ``FIGURE learner_tokens_per_s``, ``learner_mfu``, ``learner_peak_gib`` (sdpa, 4k) and, per other
 case, ``FIGURE learner_mfu_<attn>_<seq> <v> fraction``. LoRA cases: pending (no LoRA in the learner).
