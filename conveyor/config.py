@@ -223,8 +223,9 @@ class LearnerConfig(_Section):
     takes packed sequences through its varlen kernel: memory linear in the pack, but a group's prompt is
     laid down once per sample (learner/packing.py). flex_attention (PyTorch's FlexAttention) takes each
     pack's tree as a block-sparse mask: a group's prompt once, fully masked blocks skipped when compiled
-    on a GPU (it trains on a CUDA GPU only: PyTorch has no FlexAttention backward on CPU). Checked at start. Not eager: it adds a pack's boolean mask to the scores instead of
-    applying it (its packed log-probs came out wrong)."""
+    on a GPU (it trains on a CUDA GPU only: PyTorch has no FlexAttention backward on CPU). Checked at
+    start. Not eager: it adds a pack's boolean mask to the scores instead of applying it (its packed
+    log-probs came out wrong)."""
     context_parallel: int = Field(1, ge=1)
     """Ranks each packed sequence is split across (ring attention, learner/context_parallel.py): packs
     of pack_tokens tokens with 1/context_parallel of their activations per rank. Must divide the ranks."""
