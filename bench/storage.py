@@ -118,18 +118,22 @@ async def sink_rate(kafka_cfg, store, run_id: str, n: int, max_inflight: int = 2
     return n / (sink.last_flush_at - sink.first_record_at)
 
 
-def put_rate(store, run_id: str, n: int, inflight: int) -> float:
+def put_rate(store, run_id: str, n: int, inflight: int, meter: CpuMeter | None = None) -> float:
     """Rollouts/s of putting the table's data files' bytes to the same S3 server with plain boto3
     (``inflight`` at once, as the sink writes): the physical limit of the sink on this machine."""
     from storage.lake import LakeReader
 
     blobs = [store.get(f.key) for f in LakeReader(store, run_id).files()]
     client, bucket = store._client, store.bucket
+    before = meter.read() if meter else None
     t0 = time.perf_counter()
     with ThreadPoolExecutor(inflight) as pool:
         list(pool.map(lambda ib: client.put_object(Bucket=bucket, Key=store._key(f"put-baseline/{run_id}/{ib[0]}"), Body=ib[1]),
                       enumerate(blobs)))  # fmt: skip
-    return n / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    if meter:
+        print(f"put CPU per rollout (us): {meter.per(before, meter.read(), n, 1e6)}")
+    return n / elapsed
 
 
 def replay_rates(store, run_id: str, rounds: int, prefetch: int = 4, meter: CpuMeter | None = None):
@@ -207,7 +211,7 @@ def main() -> None:
             meter = CpuMeter({"kafka": running["kafka"].pid, "s3": running["s3"].pid})
             rate = asyncio.run(sink_rate(kafka_cfg, store, run_id, args.n, args.sink_inflight, meter))
             print(f"sink: {rate:.0f} rollouts/s")
-            put = put_rate(store, run_id, args.n, args.sink_inflight)
+            put = put_rate(store, run_id, args.n, args.sink_inflight, meter)
             print(f"raw boto3 put of the same files: {put:.0f} rollouts/s")
             rates, cpu, parts = replay_rates(store, run_id, args.rounds, meter=meter)
             for o, t, r in zip(rates["iter"], rates["iter_tables"], rates["raw"]):
