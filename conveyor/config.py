@@ -175,6 +175,18 @@ class DataConfig(_Section):
     """A bad record: refuse to start, naming file, line and field; or skip it (logged and counted)."""
 
 
+class LoraConfig(_Section):
+    """Train a LoRA adapter (PEFT) instead of every weight; each version is published as the adapter
+    alone (conveyor/adapters.py), which vLLM serves as a LoRA adapter and the reference engine merges."""
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """Names of the linear layers to adapt (PEFT's ``target_modules``): attention by default; add
+    gate_proj, up_proj, down_proj for the MLP."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
 class LearnerConfig(_Section):
     """The learner's batching, objective and durability. The learner (``learner/recipe.py``) takes this
     section whole, and its loss settings (``learner.grpo.LossConfig``) are derived from it: these are
@@ -241,6 +253,9 @@ class LearnerConfig(_Section):
     step_process: bool = False
     """Run the optimizer steps in a child process (learner/step_process.py), so they share no GIL
     with the service's event loop: a CPU learner of one rank (refused with several ranks or a GPU)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of the full model (None: full fine-tuning). One learner process
+    (not with several ranks, context_parallel or a vision-language model)."""
 
     @model_validator(mode="after")
     def _lag_allows_publishing(self) -> LearnerConfig:
@@ -251,6 +266,8 @@ class LearnerConfig(_Section):
             )
         if self.context_parallel > 1 and self.pack_tokens == 0:
             raise ValueError("learner.context_parallel > 1 splits packs: it needs pack_tokens > 0")
+        if self.lora is not None and self.context_parallel > 1:
+            raise ValueError("learner.lora trains on one learner process: not with context_parallel > 1")
         if self.context_parallel > 1 and self.attn_implementation != "sdpa":
             raise ValueError(f"learner.context_parallel > 1 runs its own ring attention kernel in place of sdpa; "
                              f"attn_implementation {self.attn_implementation} cannot be split")  # fmt: skip

@@ -27,6 +27,8 @@ def load_policy(model_dir: Path, cfg: RunConfig, ranks=None):
     check_attn_implementation(cfg.learner.attn_implementation)
     auto = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
     policy = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=cfg.learner.attn_implementation)
+    if cfg.learner.lora is not None:
+        policy = with_adapter(policy, cfg, vision=is_vision_model(model_dir), ranks=ranks)
     if cfg.learner.context_parallel > 1:
         use_ring_attention(policy)
     if torch.cuda.is_available():
@@ -75,6 +77,27 @@ def use_ring_attention(model) -> None:
     if why:
         raise ConfigError(f"learner.context_parallel: ring attention cannot split this model: {why}")
     model.set_attn_implementation(register())
+
+
+def with_adapter(policy, cfg: RunConfig, *, vision: bool, ranks):
+    """``policy`` with a LoRA adapter (PEFT) on ``learner.lora``'s modules: only the adapter trains."""
+    from conveyor.errors import ConfigError
+
+    if vision or ranks is not None:
+        raise ConfigError("learner.lora: adapters train on one learner process with a text model (not a vision-language "
+                          "model, not several ranks)")  # fmt: skip
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ConfigError(f"learner.lora needs the peft package (pip install -e '.[train]'): {exc}") from None
+    lora = cfg.learner.lora
+    names = {n.rsplit(".", 1)[-1] for n, _ in policy.named_modules()}
+    missing = sorted(set(lora.target_modules) - names)
+    if missing:
+        raise ConfigError(f"learner.lora.target_modules: {missing} are not modules of this model")
+    peft_cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                          lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(policy, peft_cfg)
 
 
 def check_attn_implementation(name: str) -> None:

@@ -44,8 +44,10 @@ def cast(state: dict, dtype: str) -> dict:
 class Publication:
     """Weights and progress of one run, and the step publication in flight."""
 
-    def __init__(self, store: ObjectStore, run_id: str, keep_versions: int, dtype: str = "float32") -> None:
+    def __init__(self, store: ObjectStore, run_id: str, keep_versions: int, dtype: str = "float32",
+                 metadata: dict[str, str] | None = None) -> None:  # fmt: skip
         self.store = store
+        self.metadata = metadata  # the safetensors metadata of every version (a LoRA adapter's config)
         self.dtype = dtype  # of the floating tensors published (LearnerConfig.publish_dtype, resolved)
         self.run_id = run_id
         self.keep_versions = keep_versions
@@ -66,7 +68,7 @@ class Publication:
         """Store and announce ``state`` (``Trainer.weights()``'s tensors) as ``version``, then prune."""
         from safetensors.torch import save
 
-        data = await asyncio.to_thread(lambda: save(cast(state, self.dtype)))
+        data = await asyncio.to_thread(lambda: save(cast(state, self.dtype), metadata=self.metadata))
         key = keys.weights_key(self.run_id, version)
         info = await asyncio.to_thread(self.store.put, key, data)
         announcement = WeightsAnnouncement(run_id=self.run_id, version=version, key=key, uri=self.store.uri(key),

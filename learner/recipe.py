@@ -52,7 +52,7 @@ from pathlib import Path
 
 import structlog
 
-from conveyor import keys
+from conveyor import adapters, keys
 from conveyor.admission import AdmissionLedger
 from conveyor.config import LearnerConfig
 from conveyor.contracts import ImagePart, ScoredRollout
@@ -122,9 +122,11 @@ class GRPOLearner:
         self.counters: Counter[str] = Counter()  # why samples were dropped, waited for, skipped (the metrics' columns)
         self.batcher = Batcher(config, self.counters)
         on_gpu = next(iter(model.parameters())).is_cuda if model is not None else False
+        lora = config.lora
         self.publication = Publication(
-            store, topics.run_id, config.keep_versions, publish_dtype(config.publish_dtype, on_gpu=on_gpu)
-        )
+            store, topics.run_id, config.keep_versions, publish_dtype(config.publish_dtype, on_gpu=on_gpu),
+            metadata=adapters.metadata(lora.rank, lora.alpha, lora.target_modules) if lora else None,
+        )  # fmt: skip
         self.resumed_from: int | None = None  # step of the checkpoint this process resumed from
         self.version = 0
         self.step = 0

@@ -46,9 +46,19 @@ def hf_model(model):
     return model.model if isinstance(model, LogprobHead) else model
 
 
+def is_adapter_model(hf) -> bool:
+    """A PEFT model (``learner.lora``): its published weights are the adapter alone."""
+    return hasattr(hf, "peft_config")
+
+
 def gather_weights(hf) -> dict:
     """The policy's tensors as a Hugging Face checkpoint stores them (a tied LM head once),
-    gathered from every rank's shards on several ranks (collective: every rank calls it)."""
+    gathered from every rank's shards on several ranks (collective: every rank calls it). For a
+    LoRA policy, the adapter's tensors under PEFT's names (conveyor/adapters.py)."""
+    if is_adapter_model(hf):
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(hf).items()}
     state = full_model_state(hf)
     if getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -67,6 +77,11 @@ def copy_weights(hf, weights: bytes) -> None:
     (a tied LM head follows the embedding it shares storage with)."""
     from safetensors.torch import load
 
+    if is_adapter_model(hf):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(hf, load(weights))
+        return
     live = hf.state_dict()
     with torch.no_grad():
         for name, tensor in load(weights).items():

@@ -30,6 +30,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from conveyor import adapters
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -164,6 +166,7 @@ class BatchingEngine:
         self._wake: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._runner: asyncio.Task | None = None
+        self._base: dict | None = None  # the model directory's weights, once a LoRA version arrives
         if hasattr(engine, "model"):
             self._shapes = {k: tuple(v.shape) for k, v in engine.model.state_dict().items()}
         else:  # an engine in another process reports its model's shapes
@@ -220,10 +223,23 @@ class BatchingEngine:
 
     async def swap(self, weights: bytes, version: int) -> None:
         await self.start()
+        if adapters.adapter_config(weights) is not None:  # a LoRA version: merged into the base model here
+            weights = await asyncio.to_thread(self._merged, weights)
         if self._shapes is not None:
             check_weights(weights, self._shapes, tied={"lm_head.weight"})
         async with self._lock:  # between batches; the engine decodes the blob (in its own process, if it has one)
             await asyncio.to_thread(self.inner.load_weights, weights, version)
+
+    def _merged(self, adapter: bytes) -> bytes:
+        """The base model's weights with ``adapter`` merged in, as one safetensors blob."""
+        from safetensors.torch import save
+
+        if self._base is None:
+            self._base = adapters.base_weights(self.inner.model_dir)
+        try:
+            return save({k: v.contiguous() for k, v in adapters.merged(self._base, adapter).items()})
+        except ValueError as exc:
+            raise WeightsRejected(str(exc)) from None
 
     async def close(self) -> None:
         if self._runner is not None:

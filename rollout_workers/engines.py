@@ -8,8 +8,9 @@ from rollout_workers.engine import BatchingEngine
 from rollout_workers.reference_engine import ReferenceEngine
 
 
-def open_engine(rollout_cfg, model_dir):
-    """The engine a ``RolloutConfig`` names, serving ``model_dir`` (started by the worker)."""
+def open_engine(rollout_cfg, model_dir, *, lora_rank: int | None = None):
+    """The engine a ``RolloutConfig`` names, serving ``model_dir`` (started by the worker);
+    ``lora_rank``: the learner publishes LoRA adapters of that rank (``learner.lora``)."""
     if rollout_cfg.engine == "vllm":
         import importlib.util
 
@@ -31,6 +32,7 @@ def open_engine(rollout_cfg, model_dir):
             gpu_memory_utilization=v.memory_utilization,
             speculative_config=v.speculative,
             speculative_sampling=v.speculative_sampling,
+            lora_rank=lora_rank,
             enforce_eager=v.enforce_eager,
             extra_engine_args={
                 "tensor_parallel_size": v.tensor_parallel_size,

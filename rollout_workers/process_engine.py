@@ -52,6 +52,7 @@ class ProcessEngine(Tokenizing):
         self._proc = ctx.Process(target=_serve, args=(child, str(model_dir), seed, threads), daemon=True, name="engine")
         self._proc.start()
         child.close()
+        self.model_dir = Path(model_dir)  # its own weights: the base of LoRA versions
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = 0
         self._lock = threading.Lock()

@@ -28,6 +28,7 @@ class ReferenceEngine(Tokenizing):
 
         if threads:
             torch.set_num_threads(threads)
+        self.model_dir = Path(model_dir)  # its own weights: the base of LoRA versions
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.generator = torch.Generator().manual_seed(seed)

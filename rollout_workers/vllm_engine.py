@@ -51,8 +51,9 @@ from pathlib import Path
 
 import structlog
 
+from conveyor import adapters
 from conveyor.metrics import serve_library_series
-from rollout_workers.engine import Completion, SamplingRequest, check_weights
+from rollout_workers.engine import Completion, SamplingRequest, WeightsRejected, check_weights
 from rollout_workers.tokenizing import Tokenizing
 
 log = structlog.get_logger(__name__)
@@ -120,6 +121,7 @@ class VLLMEngine(Tokenizing):
         speculative_config: dict | None = None,
         enforce_eager: bool = False,
         speculative_sampling: str = "refuse",
+        lora_rank: int | None = None,
         extra_engine_args: dict | None = None,
     ) -> None:
         from transformers import AutoTokenizer
@@ -144,7 +146,12 @@ class VLLMEngine(Tokenizing):
             **({"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes else {}),
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
         )
+        if lora_rank:  # the learner publishes LoRA adapters (learner.lora): served per request, two versions at once
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
+            self.engine_args.update(enable_lora=True, max_lora_rank=next((r for r in ranks if r >= lora_rank), lora_rank),
+                                    max_loras=2)  # fmt: skip
         self.engine_args.update(extra_engine_args or {})  # the section's other fields and `extra` (checked at start)
+        self._lora = None  # the newest adapter version's LoRARequest (None: the base model's weights as they are)
         self.speculative = bool(speculative_config)
         self.speculative_sampling = speculative_sampling
         self.llm = None
@@ -249,7 +256,8 @@ class VLLMEngine(Tokenizing):
         latest: dict[int, object] = {}
         resent = False
         try:
-            async for out in self.llm.generate(self.engine_prompt(request), params, request_id=rid):  # type: ignore[arg-type]
+            lora = self._lora  # a request keeps the adapter it started with: one version per request
+            async for out in self.llm.generate(self.engine_prompt(request), params, request_id=rid, lora_request=lora):  # type: ignore[arg-type]
                 for o in out.outputs:
                     latest[o.index] = o
                     track.lengths[o.index] = len(o.token_ids)
@@ -299,6 +307,9 @@ class VLLMEngine(Tokenizing):
 
     async def swap(self, weights: bytes, version: int) -> None:
         await self.start()
+        if adapters.adapter_config(weights) is not None:
+            await self._swap_adapter(weights, version)
+            return
         check_weights(weights, self._shapes, tied={"lm_head.weight"})
         loop = asyncio.get_running_loop()
         async with self._swap_lock:
@@ -327,6 +338,26 @@ class VLLMEngine(Tokenizing):
             self.last_swap_s = loop.time() - started
             await asyncio.to_thread(_prune, self._weights_dir, keep=target.name)
         log.info("vllm.swapped", version=version, seconds=round(self.last_swap_s, 3))
+
+    async def _swap_adapter(self, data: bytes, version: int) -> None:
+        """A LoRA version: written in PEFT's layout and named by the requests submitted from now on
+        (vLLM loads it on first use); requests in flight finish on the adapter they started with."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.engine_args.get("enable_lora"):
+            raise WeightsRejected("a LoRA adapter was published, but this engine was started without LoRA (learner.lora)")
+        config = adapters.adapter_config(data) or {}
+        if int(config.get("rank", 0)) > int(self.engine_args.get("max_lora_rank") or 0):
+            raise WeightsRejected(f"adapter rank {config.get('rank')} is over the engine's max_lora_rank")
+        target = self._weights_dir / f"v{version}"
+        await asyncio.to_thread(adapters.write_peft_dir, target, data, str(self.model_dir))
+        previous = self._lora
+        self._lora = LoRARequest(f"v{version}", version, str(target))
+        self.version = version
+        self.last_swap_s = 0.0
+        keep = {target.name} | ({Path(previous.lora_path).name} if previous else set())
+        await asyncio.to_thread(_prune, self._weights_dir, keep=keep)
+        log.info("vllm.adapter", version=version)
 
     async def close(self) -> None:
         if self.llm is not None:
@@ -388,7 +419,8 @@ def _write_weights(target: Path, data: bytes, tied: bool) -> None:
     tmp.rename(target)
 
 
-def _prune(root: Path, *, keep: str) -> None:
+def _prune(root: Path, *, keep: str | set[str]) -> None:
+    kept = {keep} if isinstance(keep, str) else keep
     for p in root.iterdir():
-        if p.name != keep:
+        if p.name not in kept:
             shutil.rmtree(p, ignore_errors=True)

@@ -107,6 +107,7 @@ def export_model(
             )
         on_stage(1, status=f"config and tokenizer of {run_id}")
         store.get_file(keys.weights_key(run_id, version), staged / "model.safetensors")
+        _merge_if_adapter(staged / "model.safetensors", base, run_id, version)
         on_stage(1, status=f"weights v{version} fetched")
         auto = AutoModelForImageTextToText if is_vision_model(staged) else AutoModelForCausalLM
         model = auto.from_pretrained(staged, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
@@ -123,3 +124,22 @@ def export_model(
         "dtype": str(model.dtype).removeprefix("torch."),
         "files": sorted(p.name for p in out.iterdir()),
     }
+
+
+def _merge_if_adapter(weights: Path, base: Path | None, run_id: str, version: int) -> None:
+    """A LoRA version (``learner.lora``) is its adapter alone: merged into the base model's weights,
+    so the export is a complete model."""
+    from safetensors.torch import save_file
+
+    from conveyor import adapters
+
+    data = weights.read_bytes()
+    if adapters.adapter_config(data) is None:
+        return
+    if base is None:
+        raise ExportError(f"version {version} of {run_id!r} is a LoRA adapter: pass the model it started from as base")
+    try:
+        state = adapters.merged(adapters.base_weights(base), data)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ExportError(f"version {version} of {run_id!r}: the adapter does not fit {base}: {exc}") from None
+    save_file({k: v.contiguous() for k, v in state.items()}, str(weights))

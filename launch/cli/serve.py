@@ -304,7 +304,7 @@ def rollout_worker(
                 err=True,
             )
             raise typer.Exit(2) from None
-    eng = open_engine(rc, models.resolved(model))
+    eng = open_engine(rc, models.resolved(model), lora_rank=cfg.learner.lora.rank if cfg.learner.lora else None)
     scorer = reward_scorer(cfg)  # executes the attempts of multi-turn tasks
     tool_sandbox = build.tool_sandbox(cfg)  # tool turns of terminal tasks: workspaces that persist across turns
     try:
@@ -343,7 +343,11 @@ def evaluator(
     except SandboxUnavailable as exc:
         typer.secho(f"sandbox unavailable: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(3) from None
-    engine = open_engine(RolloutConfig(**{**cfg.rollout.model_dump(), "engine": ev.engine or cfg.rollout.engine}), model_dir)
+    engine = open_engine(
+        RolloutConfig(**{**cfg.rollout.model_dump(), "engine": ev.engine or cfg.rollout.engine}),
+        model_dir,
+        lora_rank=cfg.learner.lora.rank if cfg.learner.lora else None,
+    )
     out = run_dir or Path("runs") / cfg.run_id
     out.mkdir(parents=True, exist_ok=True)
     from conveyor.messaging import claim_check_for

@@ -107,3 +107,47 @@ async def test_sampled_completions_end_at_the_end_of_turn_and_their_logprobs_are
         learner = packed_completion_logprobs(model, [p for p, _ in rows], [c.token_ids for _, c in rows])
     diffs = torch.cat([(torch.tensor(c.logprobs) - r).abs() for (_, c), r in zip(rows, learner)])
     assert diffs.max() < 1e-4, diffs.max()
+
+
+async def test_a_lora_version_is_served_as_an_adapter_with_the_peft_models_logprobs(chat, tmp_path):
+    """``learner.lora``: a version published as its adapter alone is served by vLLM as a LoRA
+    adapter (the base weights untouched): the sampled tokens' logprobs are the PEFT model's."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save
+    from transformers import AutoModelForCausalLM
+
+    from conveyor import adapters
+    from learner.packing import packed_completion_logprobs
+    from learner.trainer import gather_weights
+    from rollout_workers.engine import SamplingRequest
+    from rollout_workers.vllm_engine import VLLMEngine
+
+    path, made, _ = chat
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                            LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.3)  # as if trained: B starts at zero
+    policy.eval()
+    blob = save(gather_weights(policy), metadata=adapters.metadata(8, 16.0, ["q_proj", "v_proj"]))
+    engine = VLLMEngine(path, seed=0, dtype="float32", max_model_len=256, kv_cache_memory_bytes=128 << 20,
+                        gpu_memory_utilization=0.05, enforce_eager=True, lora_rank=8)  # fmt: skip
+    try:
+        await engine.start()
+        await engine.swap(blob, 1)
+        prompts = [engine.encode_prompt(None, m) for m in CHATS]
+        groups = await asyncio.gather(*(engine.generate(SamplingRequest(p, n=4, max_tokens=24)) for p in prompts))
+    finally:
+        await engine.close()
+    rows = [(p, c) for p, g in zip(prompts, groups) for c in g]
+    assert engine.version == 1 and all(c.policy_version == 1 for _, c in rows)
+    with torch.no_grad():
+        peft_lp = packed_completion_logprobs(policy, [p for p, _ in rows], [c.token_ids for _, c in rows])
+        with policy.disable_adapter():
+            base_lp = packed_completion_logprobs(policy, [p for p, _ in rows], [c.token_ids for _, c in rows])
+    diffs = torch.cat([(torch.tensor(c.logprobs) - lp).abs() for (_, c), lp in zip(rows, peft_lp)])
+    moved = torch.cat([(torch.tensor(c.logprobs) - lp).abs() for (_, c), lp in zip(rows, base_lp)])
+    assert diffs.max() < 1e-4 and moved.max() > 1e-2, (diffs.max(), moved.max())
