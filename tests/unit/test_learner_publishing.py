@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from scored_factory import scored_group
 
 from conveyor.config import LearnerConfig
@@ -160,3 +161,43 @@ async def test_weights_are_published_in_the_configured_dtype_and_the_engine_load
     trained = model.state_dict()["model.embed_tokens.weight"]
     served = engine.model.state_dict()["model.embed_tokens.weight"]
     torch.testing.assert_close(served, trained.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("step_process", [False, True], ids=["in-process", "step-process"])
+async def test_a_lora_learner_publishes_adapters_and_checkpoints_resume_them(tmp_path, step_process):
+    """With ``learner.lora`` every version is the adapter alone (conveyor/adapters.py), from the
+    learner's process or its step process, and a checkpoint of the PEFT policy resumes."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load
+
+    from conveyor import adapters, keys
+    from conveyor.config import RunConfig
+    from learner.build import load_policy
+    from learner.models import create_tiny_llama
+    from tasks.suites.pyexpr import ALPHABET
+
+    create_tiny_llama(tmp_path / "m", ALPHABET, seed=0)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run = RunConfig(learner={"lora": {"rank": 4, "alpha": 8}, "batch_groups": 1, "max_lag": 100, "lr": 1e-2,
+                             "checkpoint_every": 2, "step_process": step_process})  # fmt: skip
+    transport, topics = MemoryTransport(), Topics("lora")
+    await transport.create_topics(topics.specs(1))
+    store = LocalObjectStore(tmp_path / "objects")
+    model, tok = load_policy(tmp_path / "m", run)
+    learner = GRPOLearner(transport, topics, model, tok.pad_token_id, store, run.learner, run_dir=tmp_path / "a")
+    await _train_groups(transport, topics, learner, "lora", 3)
+    blob = store.get(keys.weights_key("lora", learner.publication.version))
+    assert adapters.adapter_config(blob) == {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    tensors = load(blob)
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+    assert any(float(t.abs().max()) > 0 for k, t in tensors.items() if ".lora_B." in k)  # trained: B moved off zero
+    # A new learner process on the same run resumes from the checkpoint of the PEFT policy.
+    model2, _ = load_policy(tmp_path / "m", run)
+    again = GRPOLearner(transport, topics, model2, tok.pad_token_id, store, run.learner, run_dir=tmp_path / "b")
+    await _train_groups(transport, topics, again, "lora", 0)
+    assert again.resumed_from == learner.step == 3  # the checkpoint at the clean stop
+    from learner.trainer import gather_weights
+
+    resumed = gather_weights(model2)  # the restored adapter is the one last published
+    assert set(resumed) == set(tensors) and all(torch.equal(resumed[k], tensors[k]) for k in tensors)
