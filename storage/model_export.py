@@ -137,7 +137,9 @@ def _merge_if_adapter(weights: Path, base: Path | None, run_id: str, version: in
     if adapters.adapter_config(data) is None:
         return
     if base is None:
-        raise ExportError(f"version {version} of {run_id!r} is a LoRA adapter: pass the model it started from as base")
+        raise ExportError(
+            f"version {version} of {run_id!r} is a LoRA adapter: pass the model it started from (--base-model) to merge it into"
+        )
     try:
         state = adapters.merged(adapters.base_weights(base), data)
     except (ValueError, FileNotFoundError) as exc:

@@ -68,7 +68,10 @@ def export_model(
     out: Path = typer.Argument(..., help="Directory to write the model to (Hugging Face format)."),
     version: int | None = typer.Option(None, "--version", min=1, help="Policy version [default: the newest]."),
     base_model: str | None = typer.Option(
-        None, "--base-model", help="The model the run started from, for a run that stored no config or tokenizer."
+        None,
+        "--base-model",
+        help="The model the run started from: for a run that stored no config or tokenizer, and for a LoRA run "
+        "(its adapter is merged into it).",
     ),
     dtype: str = typer.Option("auto", help="auto (the config's torch_dtype) | float32 | bfloat16 | float16"),
     config: Path | None = CONFIG,

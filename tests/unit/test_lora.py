@@ -132,7 +132,7 @@ def test_export_merges_the_adapter_into_a_complete_model(trained, tmp_path):
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(trained["adapter"])
-    with pytest.raises(ExportError, match="pass the model it started from as base"):
+    with pytest.raises(ExportError, match="pass the model it started from"):
         _merge_if_adapter(weights, None, "r", 3)
     _merge_if_adapter(weights, trained["base"], "r", 3)
     for name in ("config.json", "generation_config.json"):
