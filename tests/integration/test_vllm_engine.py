@@ -264,6 +264,7 @@ async def test_sampled_tokens_carry_the_learners_logprobs_under_speculation(engi
 
     spec = engines[proposer]
     model, tokenizer = engines["model"], engines["tokenizer"]
+    await spec.swap(_safetensors(model), spec.version + 1)  # the module's model, whatever earlier tests swapped in
     prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in ("xab ab ab ab ab", "x(1+2)(1+2)(1+2)")]
     prompts += _prompts(tokenizer, 6)
     groups = await asyncio.gather(*(spec.generate(SamplingRequest(p, n=4, max_tokens=48)) for p in prompts))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 
 import pytest
 
@@ -117,8 +118,14 @@ def wandb_records(path):
 def test_wandb_offline_run_files_hold_the_run(tmp_path):
     _track(TrackingConfig(type="wandb", wandb_mode="offline", project="p"), tmp_path)
     (path,) = (tmp_path / "wandb").glob("offline-run-*/run-exp-1.wandb")
-    records = wandb_records(path)
-    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    # W&B's own process writes the file; on a busy machine it may still be flushing after finish().
+    for _ in range(100):
+        records = wandb_records(path)
+        runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        if runs and any(r.WhichOneof("record_type") == "history" for r in records):
+            break
+        time.sleep(0.2)
+    (run,) = runs
     assert run.project == "p" and run.display_name == "exp-1" and run.run_id == "exp-1"
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["learner"] == {"lr": 0.001, "batch_groups": 8}
