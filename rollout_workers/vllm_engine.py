@@ -308,8 +308,8 @@ class VLLMEngine(Tokenizing):
 
     async def swap(self, weights: bytes, version: int) -> None:
         await self.start()
-        if adapters.adapter_config(weights) is not None:
-            await self._swap_adapter(weights, version)
+        if (adapter := adapters.adapter_config(weights)) is not None:
+            await self._swap_adapter(weights, adapter, version)
             return
         check_weights(weights, self._shapes, tied={"lm_head.weight"})
         loop = asyncio.get_running_loop()
@@ -337,17 +337,17 @@ class VLLMEngine(Tokenizing):
             finally:
                 await self.llm.resume_generation()
             self.last_swap_s = loop.time() - started
-            await asyncio.to_thread(_prune, self._weights_dir, keep=target.name)
+            await asyncio.to_thread(_prune, self._weights_dir, keep={target.name})
         log.info("vllm.swapped", version=version, seconds=round(self.last_swap_s, 3))
 
-    async def _swap_adapter(self, data: bytes, version: int) -> None:
+    async def _swap_adapter(self, data: bytes, config: dict, version: int) -> None:
         """A LoRA version: written in PEFT's layout and named by the requests submitted from now on
         (vLLM loads it on first use); requests in flight finish on the adapter they started with."""
         from vllm.lora.request import LoRARequest
 
         if not self.engine_args.get("enable_lora"):
             raise WeightsRejected("a LoRA adapter was published, but this engine was started without LoRA (learner.lora)")
-        config = adapters.adapter_config(data) or {}
+        started = asyncio.get_running_loop().time()
         if int(config.get("rank", 0)) > int(self.engine_args.get("max_lora_rank") or 0):
             raise WeightsRejected(f"adapter rank {config.get('rank')} is over the engine's max_lora_rank")
         target = self._weights_dir / f"v{version}"
@@ -355,10 +355,10 @@ class VLLMEngine(Tokenizing):
         previous = self._lora
         self._lora = LoRARequest(f"v{version}", version, str(target))
         self.version = version
-        self.last_swap_s = 0.0
+        self.last_swap_s = asyncio.get_running_loop().time() - started
         keep = {target.name} | ({Path(previous.lora_path).name} if previous else set())
         await asyncio.to_thread(_prune, self._weights_dir, keep=keep)
-        log.info("vllm.adapter", version=version)
+        log.info("vllm.adapter", version=version, seconds=round(self.last_swap_s, 3))
 
     async def close(self) -> None:
         if self.llm is not None:
@@ -420,8 +420,7 @@ def _write_weights(target: Path, data: bytes, tied: bool) -> None:
     tmp.rename(target)
 
 
-def _prune(root: Path, *, keep: str | set[str]) -> None:
-    kept = {keep} if isinstance(keep, str) else keep
+def _prune(root: Path, *, keep: set[str]) -> None:
     for p in root.iterdir():
-        if p.name not in kept:
+        if p.name not in keep:
             shutil.rmtree(p, ignore_errors=True)
