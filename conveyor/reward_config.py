@@ -80,6 +80,9 @@ class RewardConfig(_Section):
     environments: dict[str, str] = Field(default_factory=dict)
     """Users' environments for multi-turn agents, ``{name: "module:Class"}`` (``tasks/environments.py``);
     every role registers them at start (the rollout worker drives them, the reward service replays them)."""
+    tools: dict[str, str] = Field(default_factory=dict)
+    """The code behind the tools tasks bring, ``{name: "module:function"}`` (``tasks/tool_env.py``):
+    what the ``tools`` environment executes when the model calls a task's tool of that name."""
     judges: dict[str, JudgeConfig] = Field(default_factory=dict)
     """The LLM judges the ``judge`` verifier may ask, by name (``tasks/judge.py``): the operator's
     endpoints; a task names one (``verifier.data.judge``, default ``default``), never a URL."""

@@ -157,6 +157,13 @@ class TaskIn(_In):
             raise ValueError("give exactly one of prompt (text) or messages (chat)")
         return self
 
+    @model_validator(mode="after")
+    def _environment_takes_it(self) -> TaskIn:
+        """The environment's own check (its tools implemented here, its answer's verifier known)."""
+        if self.verifier.kind == "environment" and (why := environments.task_problem(self.verifier.data, self.tools)):
+            raise ValueError(why)
+        return self
+
 
 class SubmitIn(_In):
     tasks: list[TaskIn] = Field(min_length=1)

@@ -122,7 +122,7 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
         for i in active:
             episodes[i].add_attempt(attempts[i], texts[i])
         if sessions is not None and task.verifier.kind == "environment":
-            observations = await asyncio.to_thread(_env_turn, sessions, texts, active)
+            observations = await asyncio.to_thread(_env_turn, sessions, episodes, texts, active)
         elif sessions is not None:
             observations = await asyncio.to_thread(_tool_turn, sessions, episodes, texts, active)
         elif turn < task.max_turns - 1:
@@ -154,11 +154,17 @@ async def _episodes(engine, scorer, task, prompt, first, max_context_tokens, epi
     return [(e.as_completion(first_version), e) for e in episodes]
 
 
-def _env_turn(sessions, texts: dict[int, str], active: list[int]) -> dict[int, str]:
-    """Step each active episode's environment with the model's turn; the observations of those that go on."""
+def _env_turn(sessions, episodes: list[Episode], texts: dict[int, str], active: list[int]) -> dict[int, str]:
+    """Step each active episode's environment with the model's turn; the observations of those that
+    go on. Calls an environment reports (its step's ``info["tool_calls"]``) are kept in the turn."""
     out = {}
     for i in active:
         observation = sessions[i].step(texts[i])
+        calls = sessions[i].last.info.get("tool_calls") if sessions[i].last is not None else None
+        if calls:
+            last = episodes[i].turns[-1]
+            records = [ToolCall(name=c["name"], arguments=c["arguments"]) for c in calls]
+            episodes[i].turns[-1] = Turn(role="assistant", text=last.text, tool_calls=records)
         if observation is not None:
             out[i] = observation
     return out

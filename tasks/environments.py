@@ -13,9 +13,18 @@ read by every role at start), by an installed package's entry point in the group
     ``action`` is the model's turn as text. ``Step(observation, reward, done, info)``: the
     observation is the model's next tool turn (framed by its chat template); ``done`` ends the
     episode; ``reward`` is the episode's reward so far (the last one given counts); ``failed``
-    (machine environments) rolls the workspace back to where the step began.
+    (machine environments) rolls the workspace back to where the step began; ``answer`` (with
+    ``done``) is the episode's answer, scored by the verifier the task names in ``data.answer``
+    (``{kind, data}``, any registered kind but ``environment``) instead of a reward of the
+    environment's own: the built-in ``tools`` environment (``tasks/tool_env.py``) ends this way.
 ``close()``
     Optional: release what ``reset`` took.
+``check_task(data, tools) -> str | None``
+    Optional (a static method): why a task cannot run (None: it can), asked where tasks come in, so
+    a task the environment would refuse is refused at submission, naming what is wrong.
+
+An environment whose reward follows from the episode's last action alone sets
+``scores_last_action = True``: the reward service then replays only that action.
 
 An environment that needs a computer sets the class attribute ``machine = True``: its ``reset`` is
 then called as ``reset(task, machine)`` with the episode's :class:`tasks.machine.Machine`, a
@@ -42,7 +51,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from conveyor.contracts import Feedback, Task
+from conveyor.contracts import Feedback, Task, VerifierSpec
 from tasks.registry import RegistryError, import_target
 from tasks.verdict import Verdict
 
@@ -56,6 +65,7 @@ class Step:
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     failed: bool = False  # a machine environment's workspace goes back to where the step began
+    answer: str | None = None  # the episode's answer, scored by the task's data.answer verifier
 
 
 class Environment(Protocol):
@@ -113,7 +123,10 @@ class Episode:
 
 
 # Built in, registered as users' are (imported when first used): tasks/cad.py.
-_factories: dict[str, Callable[[], Environment] | str] = {"cad": "tasks.cad:CadEnvironment"}
+_factories: dict[str, Callable[[], Environment] | str] = {
+    "cad": "tasks.cad:CadEnvironment",
+    "tools": "tasks.tool_env:ToolsEnvironment",
+}
 _entry_points_read = False
 
 
@@ -158,6 +171,17 @@ def problem(name: object) -> str | None:
     return None
 
 
+def task_problem(data: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> str | None:
+    """Why a task of an environment cannot run (None: it can): the name's check, then the
+    environment's own ``check_task``, if it has one."""
+    name = data.get("environment")
+    why = problem(name)
+    if why is not None:
+        return f"data.environment: {why}"
+    check = getattr(_factory(name), "check_task", None)  # type: ignore[arg-type]
+    return check(data, tools) if callable(check) else None
+
+
 def _factory(name: str) -> Callable[[], Environment]:
     if name not in known():
         raise RegistryError(f"unknown environment {name!r}; known: {', '.join(known()) or 'none registered'}")
@@ -196,19 +220,26 @@ def actions_of(judged: str) -> list[str]:
     return actions if isinstance(actions, list) and all(isinstance(a, str) for a in actions) else [judged]
 
 
-def replay(task: Task, actions: list[str], sandbox=None) -> Verdict:
-    """The episode's verdict: its actions stepped through a fresh instance, the last reward given.
-    ``sandbox``: where a machine environment's fresh machine runs (None: such a task is an error)."""
+def replay(task: Task, actions: list[str], sandbox=None, score_answer: Callable[[Task, str], Verdict] | None = None) -> Verdict:
+    """The episode's verdict: its actions stepped through a fresh instance, the last reward given,
+    or its answer's verdict by ``score_answer`` (the reward service's scorer, given the task with
+    its ``data.answer`` verifier). ``sandbox``: where a machine environment's fresh machine runs
+    (None: such a task is an error)."""
     name = task.verifier.data.get("environment")
     episode = None
     reward: float | None = None
+    answer: str | None = None
+    steps = float(len(actions))
     try:
         episode = Episode(task, sandbox)
+        if getattr(episode.env, "scores_last_action", False):
+            actions = actions[-1:]
         for action in actions:
             step = episode.step(action)
             if step.reward is not None:
                 reward = step.reward
             if step.done:
+                answer = step.answer
                 break
     except RegistryError as exc:
         return Verdict(0.0, "error", Feedback(message=f"bad task: {exc}"))
@@ -220,12 +251,29 @@ def replay(task: Task, actions: list[str], sandbox=None) -> Verdict:
                 episode.close()
             except Exception:  # noqa: BLE001 - the verdict stands; the environment leaked at worst
                 pass
+    if answer is not None:
+        inner = _inner_task(task)
+        if inner is None or score_answer is None:
+            why = "data.answer names no verifier" if inner is None else "nothing here scores answers"
+            return Verdict(0.0, "error", Feedback(message=f"bad task: the episode ended in an answer and {why}"))
+        verdict = score_answer(inner, answer)
+        return Verdict(verdict.reward, verdict.verdict, verdict.feedback, {**verdict.details, "env_steps": steps})
     if reward is None:
         return Verdict(0.0, "fail", Feedback(message=f"environment {name} gave no reward"))
     if not isinstance(reward, int | float) or not math.isfinite(reward):
         return Verdict(0.0, "error", Feedback(message=f"environment {name}: reward {reward!r} is not a finite number"))
     return Verdict(float(reward), "pass" if reward >= float(task.verifier.data.get("pass_at", 1.0)) else "fail",
-                   details={"env_steps": float(len(actions))})  # fmt: skip
+                   details={"env_steps": steps})  # fmt: skip
+
+
+def _inner_task(task: Task) -> Task | None:
+    """``task`` with the verifier its ``data.answer`` names (None: it names none)."""
+    import msgspec
+
+    spec = task.verifier.data.get("answer")
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str) or spec["kind"] == "environment":
+        return None
+    return msgspec.structs.replace(task, verifier=VerifierSpec(kind=spec["kind"], data=dict(spec.get("data") or {})))
 
 
 class Session:
@@ -234,6 +282,7 @@ class Session:
     def __init__(self, task: Task, sandbox=None) -> None:
         self.episode = Episode(task, sandbox)
         self.done = False
+        self.last: Step | None = None  # the last step's, for the turn's record (its info's tool_calls)
 
     def step(self, action: str) -> str | None:
         """The observation for the model's next turn; None once the episode is over (done, or the
@@ -241,7 +290,7 @@ class Session:
         if self.done:
             return None
         try:
-            step = self.episode.step(action)
+            step = self.last = self.episode.step(action)
         except Exception:  # noqa: BLE001 - the episode ends; its replay scores it error with the reason
             self.done = True
             return None

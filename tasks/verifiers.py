@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from conveyor.contracts import Feedback, Task
 from sandbox import tempdirs
@@ -59,6 +57,7 @@ from tasks.function_tools import parse_call, schema_error, tools_of, values_matc
 from tasks.judge import judge_verdicts
 from tasks.machine import workspace_base
 from tasks.math_answers import judge_math
+from tasks.time_limit import Hung, within
 from tasks.verdict import Verdict, VerifierError
 
 DEFAULT_FN_TIMEOUT_S = 60.0
@@ -219,34 +218,6 @@ def _reward_model_verdicts(model: str, items: Sequence[tuple[Task, str]]) -> lis
     return out
 
 
-class _Hung(Exception):
-    pass
-
-
-def _within(call, timeout_s: float | None):
-    """``call()``, or :class:`_Hung` after ``timeout_s``. A Python thread cannot be stopped: a hung
-    call runs on in its daemon thread, and the scorer goes on without it (on a Celery worker the
-    task's soft time limit interrupts the function instead, and the pool process is recycled)."""
-    if timeout_s is None:
-        return call()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="verifier-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise _Hung(f"did not return within {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def score_registered(
     kind: registry.VerifierKind, items: Sequence[tuple[Task, str]], timeout_s: float | None = None
 ) -> list[Verdict]:
@@ -264,10 +235,12 @@ def score_registered(
             fields: dict[str, list] = {key: [] for t in tasks for key in t.verifier.data}
             for key in fields:
                 fields[key] = [t.verifier.data.get(key) for t in tasks]
-            got = list(_within(lambda: fn([registry.prompt_of(t) for t in tasks], completions, **fields), timeout_s))
+            got = list(
+                within(lambda: fn([registry.prompt_of(t) for t in tasks], completions, **fields), timeout_s, "verifier-call")
+            )
         else:
-            got = list(_within(lambda: fn(tasks, completions), timeout_s))
-    except _Hung as exc:
+            got = list(within(lambda: fn(tasks, completions), timeout_s, "verifier-call"))
+    except Hung as exc:
         return errors(str(exc))
     except Exception as exc:  # noqa: BLE001 - a user's function fails in any way; the service carries on
         return errors(f"raised {type(exc).__name__}: {exc}")
@@ -339,7 +312,8 @@ def score_batch(
             elif kind == "judge":
                 judged.append(i)
             elif kind == "environment":
-                out[i] = replay(task, actions_of(completion), sandbox)
+                out[i] = replay(task, actions_of(completion), sandbox,
+                                lambda t, a: score_batch(sandbox, [(t, a)], fn_timeout_s=fn_timeout_s)[0])  # fmt: skip
             else:
                 try:
                     registry.get(kind)

@@ -32,14 +32,13 @@ def _load(config: Path, role: str):
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     configure_logging(role, fmt=cfg.logging.format, level=cfg.logging.level, run_id=cfg.run_id)
-    from tasks import environments, judge, registry
+    from tasks import judge, plugins
 
     judge.configure(cfg.reward.judges)  # the LLM judges the judge verifier may ask
     try:
-        registry.configure(cfg.reward.verifiers)  # users' verifier kinds, known to every role
-        environments.configure(cfg.reward.environments)  # and their environments
-    except registry.RegistryError as exc:  # a verifier or environment that cannot be registered
-        typer.secho(f"invalid config: {exc}", fg=typer.colors.RED, err=True)
+        plugins.register(cfg.reward)  # users' verifier kinds, environments and tools, known to every role
+    except ConfigError as exc:  # one that cannot be registered
+        typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     from conveyor.tracing import configure_tracing
 

@@ -160,6 +160,9 @@ def submit_file(
         cfg = config
     else:
         cfg = load_run_config(config) if config is not None else parse_run_config({}, "<defaults>")
+    from tasks import plugins
+
+    plugins.register(cfg.reward)  # a task may name the run's own verifier kinds, environments and tools
     run_id = validate_run_id(run or cfg.run_id)
     if isinstance(mapping, FieldMapping):
         fmap = mapping

@@ -292,6 +292,8 @@ def build_task(
         if (why := tools_problem(value)) is not None:
             raise FieldError(mapping.tools, why)
         tools = value
+    if verifier.kind == "environment" and (why := environments.task_problem(verifier.data, tools)) is not None:
+        raise FieldError(mapping.tools or "tools", why)
     task = Task(
         task_id=task_id,
         run_id=run_id,
