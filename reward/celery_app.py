@@ -204,7 +204,7 @@ def make_app(cfg: RunConfig) -> Celery:
     )
     def score_many(self, items: list[list[Any]]) -> dict[str, dict[str, Any]]:
         """``items``: ``[task, completion, rollout_id, trace headers]`` each -> rollout id -> verdict."""
-        from tasks.environments import needs_machine
+        from tasks.environments import needs_sandbox
         from tasks.registry import where
         from tasks.verifiers import score_batch
 
@@ -212,7 +212,7 @@ def make_app(cfg: RunConfig) -> Celery:
         spans = [start_child("verify", h or {}, **{"conveyor.rollout_id": rid, "conveyor.verifier": t.verifier.kind})
                  for (t, _), (_, _, rid, h) in zip(tasks, items)]  # fmt: skip
         try:
-            machine = any(where(t.verifier.kind) == "sandbox" or needs_machine(t) for t, _ in tasks)
+            machine = any(where(t.verifier.kind) == "sandbox" or needs_sandbox(t) for t, _ in tasks)
             sandbox = _worker_sandbox(reward) if machine else None
             verdicts = score_batch(sandbox, tasks, fn_timeout_s=None)  # the soft time limit interrupts a hung function
             for span, v in zip(spans, verdicts):

@@ -52,6 +52,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from conveyor.contracts import Feedback, Task, VerifierSpec
+from tasks import registry
 from tasks.registry import RegistryError, import_target
 from tasks.verdict import Verdict
 
@@ -203,6 +204,15 @@ def needs_machine(task: Task) -> bool:
         return isinstance(name, str) and bool(getattr(_factory(name), "machine", False))
     except RegistryError:
         return False
+
+
+def needs_sandbox(task: Task) -> bool:
+    """Whether scoring ``task``'s episode needs the reward service's sandbox: a machine
+    environment's, or one whose answer's verifier runs there (``data.answer.kind``)."""
+    if task.verifier.kind != "environment":
+        return False
+    inner = _inner_task(task)
+    return needs_machine(task) or (inner is not None and registry.where(inner.verifier.kind) == "sandbox")
 
 
 def close(env: Environment) -> None:

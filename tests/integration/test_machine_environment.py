@@ -110,3 +110,26 @@ async def test_the_worker_drives_it_on_its_tool_sandbox_and_the_bridge_replays_i
     for r, s in zip(rollouts, scored):
         want = replay(r.task, [x.text for x in r.turns if x.role == "assistant"], sandbox)
         assert (s.reward, s.verdict) == (want.reward, want.verdict)
+
+
+def test_a_tools_episode_whose_answer_is_code_is_scored_in_the_sandbox(sandbox):
+    """The tools environment's answer scored by python_tests in the real sandbox (the reward
+    service's path: ``score_batch`` with its sandbox)."""
+    import json
+
+    from tasks import tool_env
+    from tasks.verifiers import score_batch
+
+    tool_env.register("spec", lambda: "f() must return the number of days in a week")
+    tools = [{"name": "spec", "parameters": {"type": "object"}}]
+    data = {"environment": "tools", "answer": {"kind": "python_tests", "data": {"tests": "assert f() == 7"}}}
+    task = Task(task_id="code", run_id="r", prompt="write f", max_turns=3, tools=tools,
+                verifier=VerifierSpec(kind="environment", data=data))  # fmt: skip
+    actions = ['<tool_call>{"name": "spec", "arguments": {}}</tool_call>', "```python\ndef f():\n    return 7\n```"]
+    try:
+        good, bad = score_batch(
+            open_sandbox(), [(task, json.dumps(actions)), (task, json.dumps([actions[0], "def f(): return 6"]))]
+        )
+    finally:
+        tool_env.unregister("spec")
+    assert (good.reward, good.verdict) == (1.0, "pass") and bad.verdict == "fail"

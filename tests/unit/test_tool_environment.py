@@ -246,3 +246,13 @@ async def test_a_model_calls_a_tool_through_the_worker_and_the_bridge_scores_its
         assert "The answer is 5." in r.turns[2].text
     scored = await RewardBridge(None, None, LocalScorer(None), engine.decode).score(rollouts)
     assert all((s.reward, s.verdict) == (1.0, "pass") for s in scored)
+
+
+def test_an_answer_scored_in_the_sandbox_asks_for_the_reward_services_sandbox():
+    code = _task()
+    code = Task(**{f: getattr(code, f) for f in code.__struct_fields__ if f != "verifier"},
+                verifier=VerifierSpec(kind="environment", data={"environment": "tools", "answer": {
+                    "kind": "python_tests", "data": {"tests": "assert f() == 5"}}}))  # fmt: skip
+    assert environments.needs_sandbox(code) and not environments.needs_sandbox(_task())
+    verdict = _score(code, ["def f():\n    return 5\n"])  # no sandbox here: scored infra, retried where one runs
+    assert verdict.verdict == "infra"
