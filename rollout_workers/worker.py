@@ -176,9 +176,11 @@ class RolloutWorker:
                     await self.ledger.follow()
                     room = self.max_inflight_tasks - len(running) - len(waiting)
                     if room > 0:
+                        # Idle, the wait for tasks is also the wait for weights: short, so an announced
+                        # version is served within ~50 ms even when no task comes.
                         polled = [
                             [d, None, False]
-                            for d in await tasks.poll(timeout_s=0 if running or waiting else 0.2, max_records=room)
+                            for d in await tasks.poll(timeout_s=0 if running or waiting else 0.05, max_records=room)
                         ]
                         if polled:
                             await self.ledger.claim([(_key(e[0].message), e[0].message.group_size) for e in polled])
