@@ -113,10 +113,12 @@ class Trainer:
         warm = max(1, config.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
         self.reference = None  # the KL penalty's reference: the policy as it starts, frozen
-        if self.loss.kl_coef > 0:
+        if self.loss.kl_coef > 0 and not is_adapter_model(self.hf):
             self.reference = copy.deepcopy(model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+        # A LoRA policy's start is its base model (PEFT's B starts at zero): the reference is the
+        # policy with its adapter switched off, so the penalty costs no second copy of the model.
         self._stopped = False
 
     # ------------------------------------------------- collective operations
@@ -322,6 +324,10 @@ class Trainer:
                 with torch.no_grad():
                     if self.vision is not None:
                         ref = self.logprobs(p, c, t, images=im, model=self.reference)
+                    elif self.reference is None:  # LoRA: the base model, the adapter off
+                        self.model.eval()
+                        with self.hf.disable_adapter():
+                            ref = completion_logprobs(self.model, p, c, self.pad_id, temperatures=t)
                     else:
                         ref = completion_logprobs(self.reference, p, c, self.pad_id, temperatures=t)
             self.model.train()

@@ -162,3 +162,26 @@ def test_lora_is_refused_where_it_cannot_train(tmp_path):
         load_policy(tmp_path / "m", RunConfig(learner={"lora": {**LORA, "target_modules": ["q_proj", "w_q"]}}))
     with pytest.raises(ConfigError, match="learner.lora: adapters train on one learner process"):
         load_policy(tmp_path / "m", RunConfig(learner={"lora": LORA}), ranks=object())
+
+
+def test_the_kl_reference_of_a_lora_policy_is_its_base_model_without_a_copy(trained, tmp_path):
+    """``kl_coef > 0`` with ``learner.lora``: the reference is the policy with its adapter off (its
+    start: B starts at zero), not a second copy of the model; the penalty equals a frozen copy's."""
+    import copy
+
+    from learner.build import load_policy
+    from learner.trainer import Trainer
+    from tests.unit.test_learner_step_process import _batch, _learner
+
+    policy, tok = load_policy(trained["base"], RunConfig(learner={"lora": LORA}))
+    lean = _learner(policy, tok, tmp_path / "a", kl_coef=0.5, lora=LORA)
+    copied = _learner(policy, tok, tmp_path / "b", kl_coef=0.5, lora=LORA)
+    assert isinstance(lean.trainer, Trainer) and lean.trainer.reference is None
+    copied.trainer.reference = copy.deepcopy(copied.model).eval()  # how a full model's reference is kept
+    kls = []
+    for step in range(3):
+        a, b = lean.train_step(_batch(step)), copied.train_step(_batch(step))
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-9) and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        kls.append(a["kl"])
+    assert kls[0] == pytest.approx(0.0, abs=1e-9) and kls[2] > 0  # starts at the reference, then moves away
+    assert any(".lora_B." in n and p.abs().sum() > 0 for n, p in lean.model.named_parameters())  # the adapter is on again
