@@ -163,7 +163,7 @@ def _env_turn(sessions, episodes: list[Episode], texts: dict[int, str], active: 
         calls = sessions[i].last.info.get("tool_calls") if sessions[i].last is not None else None
         if calls:
             last = episodes[i].turns[-1]
-            records = [ToolCall(name=c["name"], arguments=c["arguments"]) for c in calls]
+            records = [_record(c["name"], c["arguments"]) for c in calls]
             episodes[i].turns[-1] = Turn(role="assistant", text=last.text, tool_calls=records)
         if observation is not None:
             out[i] = observation
@@ -185,3 +185,12 @@ def _tool_turn(sessions, episodes: list[Episode], texts: dict[int, str], active:
         episodes[i].turns[-1] = Turn(role="assistant", text=last.text, tool_calls=[record])
         out[i] = observation
     return out
+
+
+def _record(name: str, arguments: dict) -> ToolCall:
+    """A call as the turn keeps it; arguments nested past what a record may hold are left out
+    (the model wrote them: the episode goes on, and the tool turn said what became of the call)."""
+    try:
+        return ToolCall(name=name, arguments=arguments)
+    except ValueError:
+        return ToolCall(name=name, arguments={"unrecorded": "nested too deep"})

@@ -38,6 +38,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from conveyor.contracts import Task
+from tasks import registry
 from tasks.environments import Step
 from tasks.function_tools import Tool, parse_call, schema_error, tool_of
 from tasks.registry import RegistryError, import_target
@@ -127,8 +128,6 @@ def parse_calls(text: str) -> list[dict[str, Any]] | None:
 
 
 def _answer_problem(spec: Any) -> str | None:
-    from tasks import registry
-
     if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str) or not isinstance(spec.get("data", {}), dict):
         return "data.answer: give the verifier of the answer as {kind, data}"
     if spec["kind"] == "environment":

@@ -256,3 +256,13 @@ def test_an_answer_scored_in_the_sandbox_asks_for_the_reward_services_sandbox():
     assert environments.needs_sandbox(code) and not environments.needs_sandbox(_task())
     verdict = _score(code, ["def f():\n    return 5\n"])  # no sandbox here: scored infra, retried where one runs
     assert verdict.verdict == "infra"
+
+
+def test_a_call_nested_too_deep_for_a_record_is_kept_without_its_arguments():
+    from rollout_workers.multiturn import _record
+
+    deep: dict = {}
+    for _ in range(200):
+        deep = {"x": deep}
+    assert _record("add", deep).arguments == {"unrecorded": "nested too deep"}
+    assert _record("add", {"a": 1}).arguments == {"a": 1}
