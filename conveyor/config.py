@@ -216,6 +216,10 @@ class LearnerConfig(_Section):
     checkpoint_every: int = Field(10, ge=0)
     """Steps between checkpoints (0: none; offsets are then committed every step)."""
     keep_checkpoints: int = Field(2, ge=1)
+    checkpoint_layout: Literal["full", "sharded"] = "full"
+    """full: rank 0 gathers the whole model and optimizer state into one object; sharded: every rank
+    writes its own shards of them (learner/sharded_checkpoint.py), so no rank ever holds the whole
+    state. One learner process writes full either way; both resume on any number of ranks."""
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     max_importance_weight: float = Field(5.0, ge=1)

@@ -5,6 +5,7 @@
                                                            generation config (what an export needs)
     runs/<run>/checkpoints/step-<step:09d>.json            a learner checkpoint's manifest (its state but tensors)
     runs/<run>/checkpoints/step-<step:09d>.safetensors     a learner checkpoint's tensors
+    runs/<run>/checkpoints/step-<step:09d>.rank-<r>.safetensors  a sharded checkpoint's pieces held by rank r
     runs/<run>/checkpoints/latest.json                     pointer to the newest checkpoint
     runs/<run>/producer/position.json                      the producer's position in its source
     runs/<run>/rollouts/                                   the rollouts table, Delta Lake (storage/table.py)
@@ -81,6 +82,11 @@ def checkpoint_key(run_id: str, step: int) -> str:
 
 def checkpoint_tensors_key(run_id: str, step: int) -> str:
     return f"{checkpoints_prefix(run_id)}step-{step:09d}.safetensors"
+
+
+def checkpoint_shard_key(run_id: str, step: int, rank: int) -> str:
+    """One rank's pieces of a sharded checkpoint (``learner/sharded_checkpoint.py``)."""
+    return f"{checkpoints_prefix(run_id)}step-{step:09d}.rank-{rank:05d}.safetensors"
 
 
 def checkpoint_step(key: str) -> int | None:

@@ -37,7 +37,9 @@ come back as they were. Mappings come back as plain dicts, in order, and tensors
 
 The learner checkpoints every ``checkpoint_every`` steps and at a clean stop.
 Model and optimizer state are full and FQN-keyed (gathered from every rank),
-so a checkpoint written by N ranks resumes on M. With checkpoints on, offsets
+or, with ``learner.checkpoint_layout: sharded`` on several ranks, written by
+each rank as its own shards (``learner/sharded_checkpoint.py``); either way a
+checkpoint written by N ranks resumes on M. With checkpoints on, offsets
 are committed to the broker only after a checkpoint (so the broker never runs
 ahead of durable state) and a restarted learner resumes from the newest
 checkpoint: it seeks to the checkpoint's positions, skips ids the checkpoint
@@ -63,6 +65,7 @@ from safetensors.torch import save as save_tensors
 from conveyor import keys
 from conveyor.errors import CheckpointRefused
 from conveyor.objectstore import ObjectNotFound, ObjectStore, sha256_hex
+from learner.sharded_checkpoint import SHARDED, fill
 
 log = structlog.get_logger(__name__)
 
@@ -137,8 +140,12 @@ FULL = "full-fqn"  # the layout of checkpoints whose model and optimizer state a
 async def write_checkpoint(store: ObjectStore, run_id: str, trainer, progress: dict, *, step: int, keep: int) -> str:
     """Checkpoint ``trainer``'s state (``learner/trainer.py``: collective on several ranks) with
     the learner's ``progress`` (step, version, ledger, positions, counters); its key."""
-    model_state, optimizer_state, scheduler_state = await asyncio.to_thread(trainer.state)
-    state = {"layout": FULL, "model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state, **progress}
+    if getattr(trainer, "ranks", None) is not None and trainer.config.checkpoint_layout == SHARDED:
+        tree, shards = await asyncio.to_thread(trainer.sharded_state, run_id, step)  # each rank writes its own
+        state = {"layout": SHARDED, **tree, "shards": shards, "scheduler": trainer.scheduler.state_dict(), **progress}
+    else:
+        model_state, optimizer_state, scheduler_state = await asyncio.to_thread(trainer.state)
+        state = {"layout": FULL, "model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state, **progress}
     return await asyncio.to_thread(save_checkpoint, store, run_id, state, step, keep)
 
 
@@ -148,7 +155,17 @@ def restore_checkpoint(store: ObjectStore, run_id: str, trainer) -> dict | None:
     state = load_latest(store, run_id)
     if state is None:
         return None
-    fqn_keyed = state.pop("layout", None) == FULL  # else: plain state_dict()s of one process
+    layout = state.pop("layout", None)
+    if layout == SHARDED:
+        tree, shards = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}, state.pop("shards")
+        where = keys.checkpoint_key(run_id, state.get("step", 0))
+        if getattr(trainer, "ranks", None) is not None:  # each rank reads its share
+            trainer.load_sharded(tree, shards, state.pop("scheduler"), run_id, where)
+        else:  # one process holds it all: the whole tensors, loaded as a full checkpoint's
+            whole = fill(tree, shards, store, run_id, where=where)
+            trainer.load(whole["model"], whole["optimizer"], state.pop("scheduler"), fqn_keyed=True)
+        return state
+    fqn_keyed = layout == FULL  # else: plain state_dict()s of one process
     trainer.load(state.pop("model"), state.pop("optimizer"), state.pop("scheduler"), fqn_keyed=fqn_keyed)
     return state
 

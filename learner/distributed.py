@@ -17,7 +17,8 @@ sends every collective operation to the other ranks, which follow
 (objects pickled by ``broadcast_object_list``), so the followers can wait
 for the next batch as long as rollouts take to arrive, whatever backend
 the training collectives use. State dicts are gathered and loaded with
-``torch.distributed.checkpoint.state_dict`` in full (FQN-keyed) form, so a
+``torch.distributed.checkpoint.state_dict`` in full (FQN-keyed) form, or each rank's share
+of them (``learner.checkpoint_layout: sharded``, learner/sharded_checkpoint.py); either way a
 checkpoint written by N ranks resumes on M.
 """
 
@@ -142,6 +143,29 @@ def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict) 
     spread = dist.is_initialized()
     set_model_state_dict(model, model_state, options=_options(broadcast_from_rank0=spread))
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=_options(broadcast_from_rank0=spread))
+
+
+def sharded_model_state(model) -> dict:
+    """This rank's model state dict, FQN-keyed, its sharded parameters as DTensors (no gather)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+
+
+def sharded_optimizer_state(model, optimizer) -> dict:
+    """This rank's optimizer state, keyed by parameter FQN, its moments as DTensors (no gather)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
+
+
+def load_sharded_state(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Load this rank's share (``sharded_*_state``'s form) on every rank. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=False)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 def shard(model, *, mixed_precision: bool = False):

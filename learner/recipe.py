@@ -117,8 +117,10 @@ class GRPOLearner:
         if vision is not None:  # a vision-language model's steps take pixels: in this process
             self.trainer: Trainer | StepProcess = Trainer(model, pad_id, config, ranks=ranks, vision=vision)
         else:
-            steps_in = StepProcess if config.step_process else Trainer  # optimizer steps in a child process, or here
-            self.trainer = steps_in(model, pad_id, config, ranks=ranks)
+            if config.step_process:  # optimizer steps in a child process
+                self.trainer = StepProcess(model, pad_id, config, ranks=ranks)
+            else:
+                self.trainer = Trainer(model, pad_id, config, ranks=ranks, store=store)
         self.counters: Counter[str] = Counter()  # why samples were dropped, waited for, skipped (the metrics' columns)
         self.batcher = Batcher(config, self.counters)
         on_gpu = next(iter(model.parameters())).is_cuda if model is not None else False

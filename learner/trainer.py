@@ -35,7 +35,16 @@ import math
 import torch
 
 from conveyor.config import LearnerConfig
-from learner.distributed import RankGroup, full_model_state, full_optimizer_state, load_full_state, split_by_tokens
+from learner.distributed import (
+    RankGroup,
+    full_model_state,
+    full_optimizer_state,
+    load_full_state,
+    load_sharded_state,
+    sharded_model_state,
+    sharded_optimizer_state,
+    split_by_tokens,
+)
 from learner.grpo import LossConfig, clipped_pg_loss, completion_logprobs
 from learner.packing import LogprobHead, pack_sequences, packed_completion_logprobs, shares_prompts
 from learner.vision import vision_logprobs
@@ -91,7 +100,8 @@ def copy_weights(hf, weights: bytes) -> None:
 class Trainer:
     """The policy's training state and its optimisation step (see the module's docstring)."""
 
-    def __init__(self, model, pad_id: int, config: LearnerConfig, *, ranks: RankGroup | None = None, vision=None) -> None:
+    def __init__(self, model, pad_id: int, config: LearnerConfig, *, ranks: RankGroup | None = None, vision=None,
+                 store=None) -> None:  # fmt: skip
         if vision is not None and ranks is not None:
             raise ValueError("a vision-language model trains on one process (learner ranks: 1)")
         if ranks is not None:
@@ -108,6 +118,7 @@ class Trainer:
         self.config = config
         self.loss = LossConfig.of(config)
         self.ranks = ranks
+        self.store = store  # where each rank writes and reads its shards of a sharded checkpoint
         self.vision = vision  # a vision-language model's conveyor.vision.VisionPrompting: sequences run whole, with pixels
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
         warm = max(1, config.warmup_steps)
@@ -161,6 +172,17 @@ class Trainer:
         self._command("load", scheduler_state)
         self._load_full(model_state, optimizer_state, scheduler_state)
 
+    def sharded_state(self, run_id: str, step: int) -> tuple[dict, list[dict]]:
+        """A sharded checkpoint's model and optimizer state: the tree (a mark in place of each
+        sharded tensor) and every rank's shard reference; each rank writes its own (collective)."""
+        self._command("save_shards", (run_id, step))
+        return self._save_shards(run_id, step)
+
+    def load_sharded(self, tree: dict, shards: list[dict], scheduler_state: dict, run_id: str, where: str) -> None:
+        """Continue from a sharded checkpoint: each rank reads the pieces of its own share (collective)."""
+        self._command("load_shards", (tree, shards, scheduler_state, run_id, where))
+        self._load_shards(tree, shards, scheduler_state, run_id, where)
+
     def follow(self) -> None:
         """On a rank other than 0: take part in every collective operation rank 0 runs (steps,
         weights gathers, state gathers, loads) until it says stop."""
@@ -176,6 +198,10 @@ class Trainer:
                 self._gather_state()
             elif op == "load":
                 self._load_full({}, {}, payload)
+            elif op == "save_shards":
+                self._save_shards(*payload)  # type: ignore[misc]
+            elif op == "load_shards":
+                self._load_shards(*payload)  # type: ignore[misc]
             elif op == "stop":
                 return
             else:
@@ -190,6 +216,23 @@ class Trainer:
     def _gather_state(self) -> tuple[dict, dict]:
         """Full, FQN-keyed model and optimizer state (collective: every rank calls it, in this order)."""
         return full_model_state(self.hf), full_optimizer_state(self.hf, self.optimizer)
+
+    def _save_shards(self, run_id: str, step: int) -> tuple[dict, list[dict]]:
+        from learner.sharded_checkpoint import split, write_shard
+
+        assert self.ranks is not None and self.store is not None, "a sharded checkpoint is written by several ranks"
+        state = {"model": sharded_model_state(self.hf), "optimizer": sharded_optimizer_state(self.hf, self.optimizer)}
+        tree, pieces, index = split(state, self.ranks.rank)
+        ref = write_shard(self.store, run_id, step, self.ranks.rank, pieces)
+        return tree, self.ranks.gather({**ref, "pieces": index})
+
+    def _load_shards(self, tree: dict, shards: list[dict], scheduler_state: dict, run_id: str, where: str) -> None:
+        from learner.sharded_checkpoint import fill, named_leaves
+
+        now = named_leaves({"model": sharded_model_state(self.hf), "optimizer": sharded_optimizer_state(self.hf, self.optimizer)})
+        state = fill(tree, shards, self.store, run_id, template=now.get, where=where)  # type: ignore[arg-type]
+        load_sharded_state(self.hf, self.optimizer, state["model"], state["optimizer"])
+        self.scheduler.load_state_dict(scheduler_state)
 
     def _load_full(self, model_state: dict, optimizer_state: dict, scheduler_state: dict) -> None:
         load_full_state(self.hf, self.optimizer, model_state, optimizer_state)  # rank 0's, broadcast

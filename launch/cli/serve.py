@@ -260,7 +260,10 @@ def learner(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            follower = Trainer(policy, tok.pad_token_id, cfg.learner, ranks=ranks)
+            from conveyor.objectstore import open_object_store
+
+            # The store: each rank writes and reads its own shards of a sharded checkpoint.
+            follower = Trainer(policy, tok.pad_token_id, cfg.learner, ranks=ranks, store=open_object_store(cfg.object_store))
         except ValueError as exc:
             raise refused(exc) from None
         follower.follow()

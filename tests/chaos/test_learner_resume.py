@@ -2,7 +2,8 @@
 newest checkpoint and, in the final model's lineage, trains on every rollout
 exactly once (checked by id against the checkpoint's ledger). On one process,
 and on two ranks under torchrun with rank 0 killed (torchrun then ends the
-other rank; the restarted pair resumes from the checkpoint both wrote)."""
+other rank; the restarted pair resumes from the checkpoint both wrote), in
+both checkpoint layouts (``full``: gathered on rank 0; ``sharded``: each rank's own)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def rank0_of(torchrun: subprocess.Popen, timeout_s: float = 60.0) -> int:
     raise AssertionError("torchrun started no rank 0")
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path, ranks):
+@pytest.mark.parametrize("ranks, layout", [(1, "full"), (2, "full"), (2, "sharded")])
+def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path, ranks, layout):
     from conveyor.objectstore import LocalObjectStore
     from conveyor.transport.kafka import KafkaTransport
     from learner.checkpoint import load_latest
@@ -57,7 +58,13 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
         "run_id": run_id,
         "transport": kafka_cfg.model_dump(),
         "object_store": {"type": "local", "root": str(tmp_path / "objects")},
-        "learner": {"batch_groups": BATCH_GROUPS, "max_lag": 100000, "checkpoint_every": 3, "lr": 1e-4},
+        "learner": {
+            "batch_groups": BATCH_GROUPS,
+            "max_lag": 100000,
+            "checkpoint_every": 3,
+            "lr": 1e-4,
+            "checkpoint_layout": layout,
+        },
         "logging": {"level": "info", "format": "json"},
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
@@ -137,3 +144,5 @@ def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, t
     assert state["step"] == want
     log_text = (tmp_path / "learner.log").read_text()
     assert log_text.count("learner.resumed") >= 3
+    shards = [i.key for i in store.list(f"runs/{run_id}/checkpoints/") if ".rank-" in i.key]
+    assert bool(shards) == (layout == "sharded"), shards  # each rank wrote its own, or none did
