@@ -155,7 +155,12 @@ def fill(state: dict, shards: list[dict], store: ObjectStore, run_id: str, *,
             got = ref["pieces"].get(name)
             if got is None:
                 continue
-            box = _overlap(offset, local_shape, got["offset"], got["shape"])
+            try:
+                box = _overlap(offset, local_shape, [int(x) for x in got["offset"]], [int(x) for x in got["shape"]])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointRefused(
+                    f"checkpoint manifest {where}: the index of {ref['key']} is malformed at {name}"
+                ) from None
             if box is None:
                 continue
             piece = pieces_of(i).get(name)
