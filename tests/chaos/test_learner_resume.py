@@ -44,6 +44,7 @@ def rank0_of(torchrun: subprocess.Popen, timeout_s: float = 60.0) -> int:
     raise AssertionError("torchrun started no rank 0")
 
 
+@pytest.mark.timeout(900)  # its own deadlines (three kill cycles of up to 120 s, 180 s to finish) pass the default
 @pytest.mark.parametrize("ranks, layout", [(1, "full"), (2, "full"), (2, "sharded")])
 def test_learner_killed_three_times_trains_each_rollout_once(stack, kafka_cfg, tmp_path, ranks, layout):
     from conveyor.objectstore import LocalObjectStore

@@ -20,7 +20,9 @@ from conveyor.reward_config import JudgeConfig
 from tasks import judge
 from tasks.verifiers import score_batch
 
-pytestmark = pytest.mark.integration
+# vLLM's server takes minutes to start beside a busy parallel run: the module's setup may take
+# longer than the suite's 300-s default.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 HELD = {"structured_outputs": {"regex": "Score: [0-9]"}}  # the rubric's format, enforced by the server
 
 
@@ -37,7 +39,7 @@ def server(tmp_path_factory):
     model = create_tiny_qwen2_chat(tmp / "model", hidden_size=128, heads=4, max_positions=2048)
     srv = OpenAIServer(model, free_port_block(1), tmp / "server.log")
     try:
-        srv.start()
+        srv.start(timeout_s=600)
     except ServerDidNotStart as exc:
         service_unavailable(str(exc))
     yield srv
